@@ -1,0 +1,3 @@
+from quickdraft.cli.main import main
+
+raise SystemExit(main())

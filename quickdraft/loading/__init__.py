@@ -1,0 +1,1 @@
+"""Loading models: GGUF files, Hugging Face folders, zoo names and hub ids."""

@@ -1,0 +1,148 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> Hugging Face names (dequantized by ``gguf``).
+
+The ``gguf`` package (from the llama.cpp project) parses the file and dequantizes every block
+format the shipped models use (F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import QuickdraftError
+
+# GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open a GGUF file, turning parse failures into a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise QuickdraftError(f"no such file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise QuickdraftError(f"{path} is not a GGUF file (bad magic {magic!r}); pass a .gguf file or a model folder")
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the parser raises ValueError, IndexError, struct errors ... on damage
+        raise QuickdraftError(
+            f"{path} is damaged or truncated ({type(exc).__name__}: {exc}); delete it and fetch it again"
+        ) from None
+
+
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value metadata as plain Python values."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        out[key] = value
+    return out
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCH_TO_MODEL_TYPE:
+        supported = ", ".join(sorted(ARCH_TO_MODEL_TYPE))
+        raise QuickdraftError(f"GGUF architecture {arch!r} is not supported; supported: {supported}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise QuickdraftError(f"GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") in ("linear",):
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    return ModelConfig(
+        model_type=ARCH_TO_MODEL_TYPE[arch],
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+    )
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_tensors(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor, dequantized, in HF layout."""
+    permute = cfg.model_type == "llama"
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            if t.name.startswith("rope_freqs"):
+                continue
+            raise QuickdraftError(f"unexpected tensor {t.name!r} in GGUF; this model variant is not supported")
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise QuickdraftError(f"tensor {t.name} uses {t.tensor_type.name}, which quickdraft cannot read yet") from None
+        w = np.asarray(w, dtype=np.float32)
+        if permute and name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_attention_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_key_value_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))

@@ -1,0 +1,162 @@
+"""Building blocks shared by every decoder: RMSNorm, RoPE, attention over the static cache, MLP.
+
+All tensors are for one sequence (batch 1, the single-user case): activations are ``[T, H]``.
+Linear layers are ``torch.nn.Linear`` here; ``quickdraft.quant`` may swap them for low-bit
+kernels with the same call signature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.cache import KVCache
+from quickdraft.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 and cast back, as Hugging Face does, so bf16 runs stay close to fp32.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[D/2]`` including the rope_scaling variants we support."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        inv = _llama3_scale(inv, scaling)
+    elif kind != "default":
+        from quickdraft.errors import QuickdraftError
+
+        raise QuickdraftError(f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+    return inv.float()
+
+
+def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_mid, mid, scaled)
+
+
+class Rope(nn.Module):
+    """Rotary embedding in Hugging Face's rotate-half layout, tables precomputed for max_len."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.cfg, self.max_len = cfg, max_len
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the fp32 tables, e.g. after the model was built on the meta device."""
+        device = device or self.cos.device
+        inv = rope_inv_freq(self.cfg).to(device)
+        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=device), inv)  # [S, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [heads, T, D]; positions [T]
+        cos = self.cos[positions].to(x.dtype)  # [T, D]
+        sin = self.sin[positions].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass
+class Step:
+    """What every layer of one forward pass shares: where to write and what each query sees."""
+
+    positions: torch.Tensor  # [T] long, RoPE positions
+    start: int  # first cache slot written by this pass
+    mask: torch.Tensor | None  # [T, start + T] bool (True = may attend), None = every slot up to the end
+    cache: KVCache
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: Rope) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope
+        self.scale = 1.0 / math.sqrt(self.hd)
+
+    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.nh, self.hd).transpose(0, 1)  # [Hq, T, D]
+        k = self.k_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
+        v = self.v_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, step.positions), self.rope(k, step.positions)
+        keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=step.mask, scale=self.scale, enable_gqa=self.nkv != self.nh,
+        )  # [1, Hq, T, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: Rope) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rope)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layer, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None:
+    """``[T, start + T]`` mask where query i sees slots ``<= start + i``; None when T == 1."""
+    if t == 1:
+        return None
+    cols = torch.arange(start + t, device=device)
+    rows = torch.arange(start, start + t, device=device)
+    return cols.unsqueeze(0) <= rows.unsqueeze(1)

@@ -1,0 +1,92 @@
+"""Llama-family decoder (HF ``model_type`` "llama"): the shared dense causal LM.
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...), so
+safetensors checkpoints load directly and GGUF tensors are renamed to them at load time.
+Variants (qwen2 biases, qwen3 q/k norms) are switched by :class:`ModelConfig` fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from quickdraft.cache import KVCache
+from quickdraft.config import ModelConfig
+from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, Step, causal_mask
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = Rope(cfg, max_len)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``model(ids, cache) -> (logits, captured)`` for one sequence."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.max_len = max_len
+        self.model = _Backbone(cfg, max_len)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+        """Give a model built on the meta device real (uninitialised) storage in ``dtype``."""
+        self.to(dtype=dtype).to_empty(device=device)
+        self.model.rope.reset_tables(device)
+        self.tie_weights()
+        return self
+
+    def new_cache(self) -> KVCache:
+        cfg, w = self.config, self.model.embed_tokens.weight
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.max_len, w.dtype, w.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        capture: Sequence[int] = (),
+        num_logits: int | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run ``ids`` [T] through the model, writing their keys/values into the next T cache slots.
+
+        positions: RoPE positions [T] (default: the slots themselves). mask: [T, start + T] bool for
+        trees (default: causal). capture: layer indices whose INPUT hidden state [T, H] is returned
+        (index L = the final norm's input). num_logits: compute logits only for the last n rows.
+        Returns logits [n, V] in float32 and the captured hidden states.
+        """
+        t = ids.shape[0]
+        start, end = cache.reserve(t)
+        device = ids.device
+        if positions is None:
+            positions = torch.arange(start, end, device=device)
+        if mask is None:
+            mask = causal_mask(start, t, device)
+        step = Step(positions=positions, start=start, mask=mask, cache=cache)
+        x = self.model.embed_tokens(ids)  # [T, H]
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                captured.append(x)
+            x = layer(x, i, step)
+        if len(self.model.layers) in capture:
+            captured.append(x)
+        cache.advance(t)
+        if num_logits is not None:
+            x = x[-num_logits:]
+        logits = self.lm_head(self.model.norm(x)).float()  # [n, V]
+        return logits, captured
