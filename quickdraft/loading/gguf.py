@@ -141,6 +141,8 @@ def iter_tensors(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, to
         except NotImplementedError:
             raise QuickdraftError(f"tensor {t.name} uses {t.tensor_type.name}, which quickdraft cannot read yet") from None
         w = np.asarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # F32 tensors come straight from the read-only memory map
+            w = w.copy()
         if permute and name.endswith("q_proj.weight"):
             w = _unpermute(w, cfg.num_attention_heads)
         elif permute and name.endswith("k_proj.weight"):

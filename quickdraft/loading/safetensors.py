@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorsError, safe_open
+from safetensors import SafetensorError, safe_open
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
@@ -44,5 +44,5 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     yield name, f.get_tensor(name)
-        except SafetensorsError as exc:
+        except (SafetensorError, OSError) as exc:
             raise QuickdraftError(f"{path} is not a readable safetensors file ({exc}); download it again") from None

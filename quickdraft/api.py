@@ -1,0 +1,90 @@
+"""The Python API, in the spirit of vLLM's ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+    from quickdraft import LLM, SamplingParams
+    llm = LLM("qwen2.5-coder-1.5b-instruct")
+    out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=64))[0]
+    for step in llm.stream_chat([{"role": "user", "content": "Hi"}]):
+        print(step.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from quickdraft.engine import Engine, RequestStats, StepOutput
+from quickdraft.errors import QuickdraftError
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class RequestOutput:
+    prompt: Prompt | Messages
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: RequestStats
+
+
+def configure_threads(threads: int | None) -> int:
+    """Use one compute thread per physical core (hyper-threads slow matmuls down), set once."""
+    n = threads or psutil.cpu_count(logical=False) or torch.get_num_threads()
+    if n < 1:
+        raise QuickdraftError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
+
+
+class LLM:
+    """A loaded target model (and drafter) ready to generate, one request at a time."""
+
+    def __init__(
+        self,
+        model: str = "qwen2.5-coder-1.5b-instruct",
+        *,
+        dtype: str = "bfloat16",
+        max_context: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.threads = configure_threads(threads)
+        self.target: LoadedModel = load_model(model, dtype=dtype, max_context=max_context)
+        self.tokenizer = self.target.tokenizer
+        self.engine = Engine(self.target.model, self.tokenizer)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Yield steps as they are generated; ``step.text`` is the new text of each."""
+        return self.engine.generate(self.encode(prompt), params or SamplingParams())
+
+    def stream_chat(self, messages: Messages, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Apply the model's chat template to ``messages`` and stream the assistant's answer."""
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return self.engine.generate(ids, params or SamplingParams())
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids) in turn; returns one output per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return [_collect(p, self.stream(p, params)) for p in prompts]  # type: ignore[union-attr]
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
+        return _collect(messages, self.stream_chat(messages, params))
+
+
+def _collect(prompt: Prompt | Messages, steps: Iterator[StepOutput]) -> RequestOutput:
+    text, ids = [], []
+    step = None
+    for step in steps:
+        text.append(step.text)
+        ids.extend(step.token_ids)
+    assert step is not None
+    return RequestOutput(prompt, "".join(text), ids, step.finish_reason, step.stats)

@@ -1,0 +1,50 @@
+"""Options shared by the subcommands that load a model and generate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from quickdraft.sampling import SamplingParams
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="zoo name (quickdraft models list), .gguf file, Hugging Face folder or hub id "
+                        f"(default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="compute dtype; float32 is the exact reference mode (default: bfloat16)")
+    g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
+    g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help=f"tokens to generate at most (default: {max_tokens})")
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def info(msg: str) -> None:
+    """Progress and statistics go to stderr so stdout stays pipe-friendly."""
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,212 @@
+"""The generation loop: one loop for the CLI, the server and the benchmark.
+
+Per request: prefill the target (and the drafter); then repeat
+draft -> ONE target pass over [last token, drafted tokens] -> verify -> roll back the cache to the
+accepted run -> stop checks -> yield a :class:`StepOutput`. Plain decoding is the same loop with
+no drafter (k = 0). Nothing in here is specific to a model or a drafting method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.llama import CausalLM
+from quickdraft.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    make_generator,
+    probs_from_logits,
+    process_logits,
+    sample_tokens,
+)
+from quickdraft.spec.base import Drafter
+from quickdraft.spec.verify import Draft, Verdict, verify_greedy, verify_sampled
+from quickdraft.stopping import StopChecker
+from quickdraft.tokenizer import Tokenizer
+
+_NO_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
+
+
+@dataclass
+class RequestStats:
+    """What one request did and how fast. tau = tokens emitted per target verify pass."""
+
+    drafter: str = "none"
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    target_passes: int = 0  # verify/decode passes after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    t_start: float = 0.0
+    t_first: float = 0.0  # when the first token was ready
+    t_end: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.target_passes) / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_start
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output speed as leaderboards define it: tokens after the first / time after the first."""
+        dt = self.t_end - self.t_first
+        return (self.output_tokens - 1) / dt if self.output_tokens > 1 and dt > 0 else 0.0
+
+    def record(self, verdict: Verdict, k: int) -> None:
+        self.target_passes += 1
+        self.drafted += k
+        self.accepted += verdict.num_accepted
+        while len(self.drafted_per_position) < k:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < verdict.num_accepted)
+
+    def to_dict(self) -> dict[str, object]:
+        d = dataclasses.asdict(self)
+        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, ttft=self.ttft,
+                 tokens_per_second=self.tokens_per_second)
+        return d
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]  # tokens emitted by this step (after stop truncation)
+    text: str  # text safe to show, new since the last step
+    finish_reason: str | None  # "stop" | "length" | None while running
+    stats: RequestStats
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    prompt: torch.Tensor  # [P] long
+    params: SamplingParams
+    generator: torch.Generator
+    stop: StopChecker
+    stats: RequestStats
+    output: list[int] = field(default_factory=list)
+
+    def output_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.output, dtype=torch.long)
+
+
+class Engine:
+    """Generates for one sequence at a time with a target model and an optional drafter."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = model.new_cache()
+        self.device = next(model.parameters()).device
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        drafter: Drafter | None = None,
+        num_draft: int = 0,
+    ) -> Iterator[StepOutput]:
+        """Stream the continuation of ``prompt_ids``; each step yields >= 0 new tokens."""
+        req = self._start(prompt_ids, params, drafter)
+        token = self._prefill(req, drafter)
+        step = self._emit(req, token)
+        yield step
+        while not step.finished:
+            k = self._budget(req, num_draft if drafter else 0)
+            t0 = time.perf_counter()
+            draft = drafter.propose(k) if drafter is not None and k > 0 else _NO_DRAFT
+            t1 = time.perf_counter()
+            verdict = self._verify(req, draft)
+            req.stats.draft_seconds += t1 - t0
+            req.stats.verify_seconds += time.perf_counter() - t1
+            req.stats.record(verdict, draft.k)
+            if drafter is not None:
+                drafter.commit(verdict.tokens, verdict.num_accepted)
+            step = self._emit(req, verdict.tokens)
+            yield step
+
+    def _start(self, prompt_ids: Sequence[int], params: SamplingParams, drafter: Drafter | None) -> _Request:
+        n = len(prompt_ids)
+        room = self.cache.max_len - n
+        if n == 0:
+            raise QuickdraftError("the prompt is empty; give at least one token of input")
+        if room < 1:
+            raise QuickdraftError(
+                f"the prompt has {n} tokens but the context holds {self.cache.max_len}; "
+                "shorten the prompt or raise --max-context"
+            )
+        if params.max_tokens > room:  # finish with "length" where the context ends
+            params = dataclasses.replace(params, max_tokens=room)
+        prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=self.device)
+        stats = RequestStats(drafter=getattr(drafter, "name", "none"), prompt_tokens=n, t_start=time.perf_counter())
+        stop = StopChecker(self.tokenizer, params, prompt_ids)
+        return _Request(prompt, params, make_generator(params.seed, self.device), stop, stats)
+
+    def _prefill(self, req: _Request, drafter: Drafter | None) -> torch.Tensor:
+        self.cache.reset()
+        logits, _ = self.model(req.prompt, self.cache, num_logits=1)  # [1, V]
+        if drafter is not None:
+            drafter.prefill(req.prompt, req.params)
+        token = self._choose(req, logits, None)  # [1]
+        req.stats.t_first = time.perf_counter()
+        return token
+
+    def _choose(self, req: _Request, logits: torch.Tensor, draft: torch.Tensor | None) -> torch.Tensor:
+        history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
+        processed = process_logits(logits, req.params, req.prompt, history, draft)
+        if req.params.greedy:
+            return greedy_tokens(processed)
+        return sample_tokens(probs_from_logits(processed), req.generator)
+
+    def _verify(self, req: _Request, draft: Draft) -> Verdict:
+        start = self.cache.length
+        ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), draft.tokens])  # [k+1]
+        logits, _ = self.model(ids, self.cache)  # [k+1, V]
+        history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
+        processed = process_logits(logits, req.params, req.prompt, history, draft.tokens if draft.k else None)
+        if req.params.greedy:
+            verdict = verify_greedy(greedy_tokens(processed), draft)
+        else:
+            verdict = verify_sampled(probs_from_logits(processed), draft, req.generator)
+        self.cache.truncate(start + 1 + verdict.num_accepted)  # keep last token + accepted drafts
+        return verdict
+
+    def _budget(self, req: _Request, k: int) -> int:
+        """Draft no further than the tokens still allowed and the cache still holds."""
+        left = req.params.max_tokens - len(req.output) - 1
+        room = self.cache.max_len - self.cache.length - 1
+        return max(0, min(k, left, room))
+
+    def _emit(self, req: _Request, tokens: torch.Tensor) -> StepOutput:
+        text, kept = "", []
+        for token in tokens.tolist():  # sync: the host needs the ids for text and stops
+            req.output.append(token)
+            kept.append(token)
+            text += req.stop.add(token)
+            if req.stop.finished:
+                break
+        req.stats.output_tokens = len(req.output)
+        req.stats.t_end = time.perf_counter()
+        return StepOutput(kept, text, req.stop.finish_reason, req.stats)

