@@ -72,9 +72,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Complete each prompt (text or token ids) in turn; returns one output per prompt."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return [_collect(p, self.stream(p, params)) for p in prompts]  # type: ignore[union-attr]
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        return [_collect(p, self.stream(p, params)) for p in batch]
 
     def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
         return _collect(messages, self.stream_chat(messages, params))

@@ -65,6 +65,8 @@ class Rope(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.cfg, self.max_len = cfg, max_len
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
