@@ -17,6 +17,31 @@ from torch import nn
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
 
+ROW_BLOCK = 8  # rows per matmul in the decode/verify path
+BLOCKED_MAX_ROWS = 64  # passes with more rows (long prefills) take the plain, fastest path
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose result for a row does not depend on how many rows come with it.
+
+    CPU GEMM libraries pick different kernels (and so different reduction orders) for different
+    row counts, so row i of a k-row verification pass could differ in the last bit from the same
+    row decoded alone, and a greedy argmax could flip. Short passes are therefore computed in
+    fixed blocks of ROW_BLOCK rows (zero-padded): every decode and verify row goes through the
+    same kernel, so speculative greedy output stays token-identical to plain decoding. At batch 1
+    the pass is bound by reading the weights, so the padding costs little.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
+        t = x.shape[0]
+        if t > BLOCKED_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        pad = (-t) % ROW_BLOCK
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        blocks = [F.linear(x[i : i + ROW_BLOCK], self.weight, self.bias) for i in range(0, t + pad, ROW_BLOCK)]
+        return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -96,6 +121,12 @@ class Step:
     start: int  # first cache slot written by this pass
     mask: torch.Tensor | None  # [T, start + T] bool (True = may attend), None = every slot up to the end
     cache: KVCache
+    tree: bool = False  # mask is not causal: short passes gather each row's visible slots
+    row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i
+
+    def __post_init__(self) -> None:
+        if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
+            self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
 
 
 class Attention(nn.Module):
@@ -103,10 +134,10 @@ class Attention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_proj = Linear(h, self.nh * self.hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.nh * self.hd, h, bias=False)
         if cfg.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -124,19 +155,38 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        if t > BLOCKED_MAX_ROWS:
+            out = self._attend(q, keys, values, step.mask)  # [Hq, T, D]
+        else:
+            out = torch.cat([self._attend_row(q, keys, values, step, i) for i in range(t)], dim=1)
+        return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=step.mask, scale=self.scale, enable_gqa=self.nkv != self.nh,
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=mask, scale=self.scale, enable_gqa=self.nkv != self.nh,
         )  # [1, Hq, T, D]
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, self.nh * self.hd))
+        return out[0]
+
+    def _attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, i: int) -> torch.Tensor:
+        """Query row i over exactly the slots it may see, as one decode-shaped call.
+
+        The call is the same one plain decoding makes for that token (same keys, same length),
+        so its result is bitwise the same whatever other rows share the pass (batch invariance).
+        """
+        if step.row_slots is None:  # chain: row i sees every slot up to its own
+            end = step.start + i + 1
+            return self._attend(q[:, i : i + 1], k[:, :end], v[:, :end], None)
+        idx = step.row_slots[i]  # tree: prefix + ancestors + self, in slot order
+        return self._attend(q[:, i : i + 1], k.index_select(1, idx), v.index_select(1, idx), None)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

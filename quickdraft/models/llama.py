@@ -14,7 +14,7 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, Step, causal_mask
+from quickdraft.models.layers import DecoderLayer, Linear, RMSNorm, Rope, Step, causal_mask
 
 
 class _Backbone(nn.Module):
@@ -34,7 +34,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.max_len = max_len
         self.model = _Backbone(cfg, max_len)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -74,9 +74,10 @@ class CausalLM(nn.Module):
         device = ids.device
         if positions is None:
             positions = torch.arange(start, end, device=device)
+        tree = mask is not None
         if mask is None:
             mask = causal_mask(start, t, device)
-        step = Step(positions=positions, start=start, mask=mask, cache=cache)
+        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
         x = self.model.embed_tokens(ids)  # [T, H]
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
