@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -19,6 +19,7 @@ from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
+from quickdraft.spec.factory import SpecConfig, build_drafter
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]
@@ -49,26 +50,36 @@ class LLM:
         self,
         model: str = "qwen2.5-coder-1.5b-instruct",
         *,
+        draft: str = "auto",
+        num_draft: int | None = None,
         dtype: str = "bfloat16",
         max_context: int | None = None,
         threads: int | None = None,
+        log: Callable[[str], None] = lambda _msg: None,
     ) -> None:
+        """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
+        .gguf, folder) sharing the target's tokenizer. ``num_draft``: fixed k, or None = auto."""
         self.threads = configure_threads(threads)
+        spec = SpecConfig(draft=draft, num_draft=num_draft)  # validate before loading anything
         self.target: LoadedModel = load_model(model, dtype=dtype, max_context=max_context)
         self.tokenizer = self.target.tokenizer
         self.engine = Engine(self.target.model, self.tokenizer)
+        self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
         """Yield steps as they are generated; ``step.text`` is the new text of each."""
-        return self.engine.generate(self.encode(prompt), params or SamplingParams())
+        return self._generate(self.encode(prompt), params)
 
     def stream_chat(self, messages: Messages, params: SamplingParams | None = None) -> Iterator[StepOutput]:
         """Apply the model's chat template to ``messages`` and stream the assistant's answer."""
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        return self.engine.generate(ids, params or SamplingParams())
+        return self._generate(ids, params)
+
+    def _generate(self, ids: list[int], params: SamplingParams | None) -> Iterator[StepOutput]:
+        return self.engine.generate(ids, params or SamplingParams(), self.drafter, self.num_draft)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Complete each prompt (text or token ids) in turn; returns one output per prompt."""

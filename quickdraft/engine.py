@@ -132,6 +132,8 @@ class Engine:
         req = self._start(prompt_ids, params, drafter)
         token = self._prefill(req, drafter)
         step = self._emit(req, token)
+        if drafter is not None:
+            drafter.commit(token, 0)
         yield step
         while not step.finished:
             k = self._budget(req, num_draft if drafter else 0)

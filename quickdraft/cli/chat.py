@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quickdraft.cli.common import add_model_args, add_sampling_args, info, sampling_params
+from quickdraft.cli.common import add_model_args, add_sampling_args, info, load_llm, sampling_params
 from quickdraft.cli.generate import format_stats
 from quickdraft.errors import QuickdraftError
 
@@ -21,12 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quickdraft.api import LLM
-
     params = sampling_params(args)
-    info(f"loading {args.model} ...")
-    llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, threads=args.threads)
-    info(f"ready ({llm.target.load_seconds:.1f} s). {HELP}")
+    llm = load_llm(args, info)
+    info(HELP)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
     while True:

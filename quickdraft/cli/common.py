@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from quickdraft.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from quickdraft.api import LLM
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 
@@ -19,6 +24,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; float32 is the exact reference mode (default: bfloat16)")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    g = p.add_argument_group("speculative decoding (lossless)")
+    g.add_argument("--draft", "-d", default="auto",
+                   help="auto (default: picks per step what pays), none, ngram, or a draft model sharing "
+                        "the target's tokenizer (zoo name, .gguf, folder)")
+    g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
@@ -43,6 +53,18 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+
+
+def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
+    from quickdraft.api import LLM
+    from quickdraft.spec.factory import parse_num_draft
+
+    num_draft = parse_num_draft(args.num_draft)
+    say(f"loading {args.model} ...")
+    llm = LLM(args.model, draft=args.draft, num_draft=num_draft, dtype=args.dtype,
+              max_context=args.max_context, threads=args.threads, log=say)
+    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
+    return llm
 
 
 def info(msg: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quickdraft.cli.common import add_model_args, add_sampling_args, info, sampling_params
+from quickdraft.cli.common import add_model_args, add_sampling_args, info, load_llm, sampling_params
 from quickdraft.errors import QuickdraftError
 
 
@@ -23,16 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quickdraft.api import LLM
-
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)  # validate before the (slow) model load
     if args.raw and args.system:
         raise QuickdraftError("--system needs the chat template; drop --raw or --system")
     say = (lambda _m: None) if args.quiet else info
-    say(f"loading {args.model} ...")
-    llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, threads=args.threads)
-    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path})")
+    llm = load_llm(args, say)
     if args.raw:
         steps = llm.stream(prompt, params)
     else:

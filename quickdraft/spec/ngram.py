@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.spec.verify import Draft
 
 
 def _check_sizes(max_ngram: int, min_ngram: int) -> None:
@@ -115,3 +116,29 @@ class NGramIndex:
     def propose_tensor(self, k: int, device: str | torch.device = "cpu") -> Tensor:
         """:meth:`propose` as a [<=k] long tensor, ready for a Draft."""
         return torch.tensor(self.propose(k), dtype=torch.long, device=device)
+
+
+class NGramDrafter:
+    """Drafter that proposes what followed the latest earlier copy of the context's suffix.
+
+    Training-free and nearly free to run, so it pays whenever the output repeats the prompt or
+    itself (code edits, summaries, lists). Deterministic: q is one-hot (Draft.probs None).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        self.index = NGramIndex(max_ngram, min_ngram)
+
+    def prefill(self, prompt_ids: Tensor, params: object) -> None:
+        self.index.reset()
+        self.index.extend(prompt_ids)
+
+    def propose(self, k: int) -> Draft:
+        return Draft(tokens=self.index.propose_tensor(k))
+
+    def commit(self, tokens: Tensor, num_accepted: int) -> None:
+        self.index.extend(tokens)
+
+    def reset(self) -> None:
+        self.index.reset()

@@ -1,0 +1,123 @@
+"""Draft-model drafter: a small model sharing the target's tokenizer proposes k tokens.
+
+State: the draft's own KV cache holds every committed token except ``pending``, the tokens the
+draft has not read yet (normally just the last emitted one). Worked example, k = 3::
+
+    committed ... a b | pending [c]         cache: ... a b
+    propose:  read [c] -> d0, read d0 -> d1, read d1 -> d2       cache: ... a b c d0 d1
+    verdict n = 1, token t:   keep c d0 -> truncate;   pending [t]
+    verdict n = 3, token t:   keep c d0 d1;            pending [d2, t]   (d2 was never read)
+
+If a step did not ask this drafter (speculation paused, another drafter chosen), the emitted
+tokens simply join ``pending`` and are read in one pass next time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.llama import CausalLM
+from quickdraft.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    make_generator,
+    probs_from_logits,
+    process_logits,
+    sample_tokens,
+)
+from quickdraft.spec.verify import Draft
+from quickdraft.tokenizer import Tokenizer
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
+    """Refuse a draft whose tokenizer differs (a padded vocabulary is fine)."""
+    if target.fingerprint() != draft.fingerprint():
+        raise QuickdraftError(
+            "the draft model's tokenizer differs from the target's, so its tokens would mean "
+            "other text; pick a draft from the same model family (e.g. Qwen2.5-Coder-0.5B for "
+            "Qwen2.5-Coder-1.5B), or use --draft ngram"
+        )
+
+
+class DraftModelDrafter:
+    name = "draft"
+
+    def __init__(self, model: CausalLM, target_vocab: int) -> None:
+        self.model = model
+        self.cache = model.new_cache()
+        self.target_vocab = target_vocab
+        self.pending: list[int] = []
+        self.params = SamplingParams()
+        self.generator = make_generator(0)
+        self._base = 0  # cache length before the last proposal
+        self._proposed: Tensor | None = None
+
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        # q must be shaped like p except for penalties (they need history the draft lacks; any q
+        # stays lossless, a closer one just accepts more).
+        self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        self.generator = make_generator(None if params.seed is None else params.seed + 1)
+        self.cache.reset()
+        self.pending = [int(t) for t in prompt_ids.tolist()]
+        self._proposed = None
+
+    def propose(self, k: int) -> Draft:
+        if k <= 0 or not self.pending:
+            return Draft(tokens=_EMPTY)
+        room = self.cache.max_len - self.cache.length - len(self.pending)
+        k = min(k, room)
+        if k <= 0:
+            return Draft(tokens=_EMPTY)
+        self._base = self.cache.length
+        ids = torch.tensor(self.pending, dtype=torch.long)
+        tokens, qs = [], []
+        for _ in range(k):
+            logits, _ = self.model(ids, self.cache, num_logits=1)  # [1, V_draft]
+            tok, q = self._pick(logits)
+            tokens.append(tok)
+            if q is not None:
+                qs.append(q)
+            ids = tok
+        drafted = torch.cat(tokens)
+        self._proposed = drafted
+        return Draft(tokens=drafted, probs=torch.cat(qs) if qs else None)
+
+    def _pick(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        logits = _fit_vocab(logits, self.target_vocab)
+        processed = process_logits(logits, self.params, _EMPTY, _EMPTY)
+        if self.params.greedy:
+            return greedy_tokens(processed), None
+        q = probs_from_logits(processed)  # [1, V]
+        return sample_tokens(q, self.generator), q
+
+    def commit(self, tokens: Tensor, num_accepted: int) -> None:
+        emitted = [int(t) for t in tokens.tolist()]
+        if self._proposed is None:  # not asked this step: read everything next time
+            self.pending.extend(emitted)
+            return
+        k = int(self._proposed.shape[0])
+        read = len(self.pending) + min(num_accepted, k - 1)  # tokens of this step now in the cache
+        self.cache.truncate(self._base + read)
+        self.pending = ([int(self._proposed[k - 1])] if num_accepted == k else []) + emitted[num_accepted:]
+        self._proposed = None
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.pending = []
+        self._proposed = None
+
+
+def _fit_vocab(logits: Tensor, vocab: int) -> Tensor:
+    """Pad or cut the draft's logits [N, V_draft] to the target's vocabulary size."""
+    v = logits.shape[-1]
+    if v == vocab:
+        return logits
+    if v > vocab:
+        return logits[:, :vocab]
+    return torch.cat([logits, logits.new_full((logits.shape[0], vocab - v), float("-inf"))], dim=1)

@@ -1,0 +1,185 @@
+"""Speculate only when it pays: a cost model picks the drafter and k for every step.
+
+On a CPU a (k+1)-row target pass can cost much more than a 1-row pass, and drafting is not free,
+so a fixed k often makes speculative decoding SLOWER than plain decoding. Each step we instead
+maximise the expected output rate
+
+    rate(d, k) = E_d[tokens | k] / (c_target(k + 1) + c_draft_d * k),
+    E_d[tokens | k] = 1 + sum_{i=1..k} prod_{j=1..i} a_d(j)
+
+over drafters d and k = 0..max_k (k = 0 is plain decoding: 1 token per c_target(1)), where a_d(j)
+is drafter d's observed acceptance rate at draft position j given that j-1 were accepted
+(Leviathan et al. 2023, section 3.4, with per-position rates), and c_* are seconds measured on
+this machine: calibrated once at start, then tracked online. A drafter not used for a while gets
+a small probe step so its estimates recover when the text changes character.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from quickdraft.cache import KVCache
+from quickdraft.models.llama import CausalLM
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec.base import Drafter
+from quickdraft.spec.verify import Draft
+
+EMA = 0.2  # weight of a new observation
+PROBE_EVERY = 24  # steps without using a drafter before a probe step
+PROBE_K = 2
+
+
+@dataclass
+class TargetCost:
+    """Seconds of one target pass by row count; linear between measured row counts."""
+
+    seconds: dict[int, float]
+
+    def __call__(self, rows: int) -> float:
+        pts = sorted(self.seconds.items())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:], strict=False):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        (r0, s0), (r1, s1) = pts[-2], pts[-1]
+        return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+
+@dataclass
+class Acceptance:
+    """Per-position conditional acceptance a(j), j = 1..max_k, as running averages."""
+
+    prior: float
+    max_k: int
+    rates: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rates = [self.prior] * self.max_k
+
+    def observe(self, k: int, n: int) -> None:
+        for j in range(min(k, n + 1)):  # positions reached: 0..n (n+1 only if n < k)
+            self.rates[j] = (1 - EMA) * self.rates[j] + EMA * float(j < n)
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= self.rates[j]
+            total += run
+        return total
+
+
+@dataclass
+class Candidate:
+    drafter: Drafter
+    acceptance: Acceptance
+    seconds_per_token: float  # drafting cost per drafted token
+    cheap: bool  # proposing is ~free (n-gram): look at its proposal before deciding
+    idle: int = 0  # steps since last used
+
+
+def best_k(cost: TargetCost, cand: Candidate, max_k: int) -> tuple[int, float]:
+    """The k in 0..max_k with the highest expected tokens/s, and that rate."""
+    best = (0, 1.0 / cost(1))
+    for k in range(1, max_k + 1):
+        rate = cand.acceptance.expected_tokens(k) / (cost(k + 1) + cand.seconds_per_token * k)
+        if rate > best[1]:
+            best = (k, rate)
+    return best
+
+
+class AutoDrafter:
+    """Wraps one or more drafters; each step picks the drafter and k that the cost model favours.
+
+    With ``fixed_k`` the drafter is still chosen per step but always drafts min(fixed_k, budget).
+    """
+
+    name = "auto"
+
+    def __init__(self, candidates: list[Candidate], cost: TargetCost, fixed_k: int | None = None) -> None:
+        self.candidates = candidates
+        self.cost = cost
+        self.fixed_k = fixed_k
+        self.usage: dict[str, int] = {c.drafter.name: 0 for c in candidates} | {"none": 0}
+        self._chosen: Candidate | None = None
+        self._k = 0
+        self._t_ready = 0.0
+
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+        for c in self.candidates:
+            c.drafter.prefill(prompt_ids, params)
+
+    def propose(self, k: int) -> Draft:
+        chosen, draft = self._choose(k)
+        self._chosen, self._k = chosen, draft.k
+        self.usage[chosen.drafter.name if chosen and draft.k else "none"] += 1
+        self._t_ready = time.perf_counter()
+        return draft
+
+    def _choose(self, budget: int) -> tuple[Candidate | None, Draft]:
+        best: tuple[float, Candidate | None, int, Draft | None] = (1.0 / self.cost(1), None, 0, None)
+        for c in self.candidates:
+            c.idle += 1
+            preview = c.drafter.propose(budget) if c.cheap else None
+            limit = min(budget, preview.k if preview is not None else budget)
+            k, rate = (min(self.fixed_k, limit), float("inf")) if self.fixed_k else best_k(self.cost, c, limit)
+            if k == 0 and c.idle > PROBE_EVERY and limit > 0:
+                k, rate = min(PROBE_K, limit), float("inf")  # probe: refresh stale estimates
+            if k > 0 and rate > best[0]:
+                best = (rate, c, k, preview)
+        _, chosen, k, preview = best
+        if chosen is None:
+            return None, Draft(tokens=torch.empty(0, dtype=torch.long))
+        chosen.idle = 0
+        t0 = time.perf_counter()
+        draft = _cut(preview, k) if preview is not None else chosen.drafter.propose(k)
+        if not chosen.cheap and draft.k:
+            spent = (time.perf_counter() - t0) / draft.k
+            chosen.seconds_per_token = (1 - EMA) * chosen.seconds_per_token + EMA * spent
+        return chosen, draft
+
+    def commit(self, tokens: Tensor, num_accepted: int) -> None:
+        if self._t_ready:  # a verify pass ran since propose (not the prefill's first token)
+            self.cost.observe(self._k + 1, time.perf_counter() - self._t_ready)
+        self._t_ready = 0.0
+        if self._chosen is not None and self._k:
+            self._chosen.acceptance.observe(self._k, num_accepted)
+        for c in self.candidates:
+            c.drafter.commit(tokens, num_accepted if c is self._chosen else 0)
+        self._chosen, self._k = None, 0
+
+    def reset(self) -> None:
+        for c in self.candidates:
+            c.drafter.reset()
+
+
+def _cut(draft: Draft, k: int) -> Draft:
+    return Draft(tokens=draft.tokens[:k], probs=None if draft.probs is None else draft.probs[:k])
+
+
+def measure_pass_seconds(model: CausalLM, rows: tuple[int, ...] = (1, 2, 4, 8), repeats: int = 2) -> dict[int, float]:
+    """Time target passes of each row count on a scratch cache (a few seconds at most)."""
+    cfg = model.config
+    w = model.model.embed_tokens.weight
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64 + max(rows), w.dtype, w.device)
+    context = torch.randint(0, cfg.vocab_size, (64,), device=w.device)
+    model(context, cache, num_logits=1)
+    out: dict[int, float] = {}
+    for r in rows:
+        ids = context[:r]
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms kernels up
+            t0 = time.perf_counter()
+            model(ids, cache)
+            best = min(best, time.perf_counter() - t0)
+            cache.truncate(64)
+        out[r] = best
+    return out
