@@ -146,3 +146,7 @@ def _last_token_weights(p: Tensor, q: Tensor | None, tokens: Tensor, n: Tensor) 
     residual = (p_row - q_row).clamp_min(0.0)  # [B, V]
     has_mass = residual.sum(-1, keepdim=True) > 0  # [B, 1]
     return torch.where(has_mass, residual, p_row)
+
+
+# Public name for many independent trials at once (the selftest's distribution check uses it).
+verify_sampled_batch = _verify_sampled_batch
