@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from quickdraft import zoo
 from quickdraft.config import ModelConfig
@@ -78,6 +83,10 @@ def load_model(
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = st_io.iter_tensors(path)
+    elif _is_zoo_file(path) and (converted := converted_path(path, dtype)).is_file():
+        cfg = converted_config(converted)
+        tokenizer = Tokenizer.from_gguf(path)
+        tensors = st_io.iter_file(converted)
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
@@ -91,7 +100,41 @@ def load_model(
     model.materialize(device, DTYPES[dtype])
     load_weights(model, tensors, tied=cfg.tie_word_embeddings)
     model.eval()
+    if _is_zoo_file(path) and not converted_path(path, dtype).is_file():
+        save_converted(model, cfg, converted_path(path, dtype))
     return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - t0)
+
+
+def _is_zoo_file(path: Path) -> bool:
+    """Conversions are cached for zoo models only: one per model and dtype, never for scratch files."""
+    return path.is_file() and path.parent == zoo.cache_dir() / "models"
+
+
+def converted_path(gguf_path: Path, dtype: str) -> Path:
+    """Where the dequantized weights of a GGUF file are kept, so later loads skip dequantizing.
+
+    Keyed by name, size and modification time: a replaced file gets a new conversion.
+    """
+    st = gguf_path.stat()
+    return zoo.cache_dir() / "converted" / f"{gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}-{dtype}.safetensors"
+
+
+def converted_config(path: Path) -> ModelConfig:
+    meta = st_io.file_metadata(path)
+    return ModelConfig(**json.loads(meta["quickdraft.config"]))
+
+
+def save_converted(model: CausalLM, cfg: ModelConfig, dest: Path) -> None:
+    """Write the loaded weights atomically; a failure (disk full, read-only cache) only warns."""
+    tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+        save_file(state, str(tmp), metadata={"quickdraft.config": json.dumps(dataclasses.asdict(cfg))})
+        os.replace(tmp, dest)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"could not cache converted weights at {dest}: {exc}", stacklevel=2)
 
 
 def _context_length(cfg: ModelConfig, requested: int | None) -> int:

@@ -40,9 +40,21 @@ def weight_files(folder: Path) -> list[Path]:
 
 def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in weight_files(folder):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise QuickdraftError(f"{path} is not a readable safetensors file ({exc}); download it again") from None
+        yield from iter_file(path)
+
+
+def iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError) as exc:
+        raise QuickdraftError(f"{path} is not a readable safetensors file ({exc}); download it again") from None
+
+
+def file_metadata(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as exc:
+        raise QuickdraftError(f"{path} is not a readable safetensors file ({exc}); delete it") from None
