@@ -55,7 +55,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
                 qk_norm=model_type == "qwen3",
-                sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+                sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
             )
         except KeyError as exc:
             raise QuickdraftError(f"config.json lacks the field {exc}; the model folder looks incomplete") from None

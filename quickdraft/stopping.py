@@ -32,6 +32,7 @@ class StopChecker:
         self.num_tokens += 1
         if token in self.stop_ids:
             self.finish_reason = "stop"
+            self.text += self.detok.flush()
             return self._release(final=True)
         self.text += self.detok.push([token])
         if self.params.stop and self._find_stop():

@@ -111,6 +111,14 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     )
 
 
+def rope_freq_factors(reader: GGUFReader) -> list[float] | None:
+    """Llama 3.1+ GGUFs keep their RoPE scaling as per-frequency divisors in ``rope_freqs.weight``."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return [float(v) for v in np.asarray(dequantize(t.data, t.tensor_type)).reshape(-1)]
+    return None
+
+
 def hf_name(gguf_name: str) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown)."""
     if gguf_name in _GLOBAL_NAMES:
@@ -134,7 +142,7 @@ def iter_tensors(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, to
         name = hf_name(t.name)
         if name is None:
             if t.name.startswith("rope_freqs"):
-                continue
+                continue  # read by rope_freq_factors() into the config
             raise QuickdraftError(f"unexpected tensor {t.name!r} in GGUF; this model variant is not supported")
         try:
             w = dequantize(t.data, t.tensor_type)

@@ -91,6 +91,8 @@ def load_model(
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
         cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
+        if (factors := gguf_io.rope_freq_factors(reader)) is not None:
+            cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors})
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         tensors = gguf_io.iter_tensors(reader, cfg)
     max_len = _context_length(cfg, max_context)

@@ -37,4 +37,4 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     missing = sorted(set(params) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise QuickdraftError(f"checkpoint lacks {len(missing)} tensors the model needs: {shown}")
+        raise QuickdraftError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")

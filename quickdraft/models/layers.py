@@ -66,6 +66,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv = inv / float(scaling["factor"])
     elif kind == "llama3":
         inv = _llama3_scale(inv, scaling)
+    elif kind == "freq_factors":  # GGUF's rope_freqs tensor: llama.cpp divides each frequency
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind != "default":
         from quickdraft.errors import QuickdraftError
 

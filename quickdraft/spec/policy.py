@@ -169,9 +169,10 @@ def measure_pass_seconds(model: CausalLM, rows: tuple[int, ...] = (1, 2, 4, 8), 
     """Time target passes of each row count on a scratch cache (a few seconds at most)."""
     cfg = model.config
     w = model.model.embed_tokens.weight
-    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64 + max(rows), w.dtype, w.device)
-    context = torch.randint(0, cfg.vocab_size, (64,), device=w.device)
-    model(context, cache, num_logits=1)
+    n = max(1, min(64, model.max_len - max(rows)))  # a short context that fits any max_len
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n + max(rows), w.dtype, w.device)
+    context = torch.randint(0, cfg.vocab_size, (max(n, max(rows)),), device=w.device)
+    model(context[:n], cache, num_logits=1)
     out: dict[int, float] = {}
     for r in rows:
         ids = context[:r]
@@ -180,6 +181,6 @@ def measure_pass_seconds(model: CausalLM, rows: tuple[int, ...] = (1, 2, 4, 8), 
             t0 = time.perf_counter()
             model(ids, cache)
             best = min(best, time.perf_counter() - t0)
-            cache.truncate(64)
+            cache.truncate(n)
         out[r] = best
     return out

@@ -1,0 +1,306 @@
+"""Tiny random Hugging Face models for tests: a few layers, hidden 64, a ~300-token BPE vocabulary.
+
+A folder written by :func:`make_tiny_hf_model` is a complete Hugging Face checkpoint
+(``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``), so it goes
+through the same ``load_model`` path as a real one, and transformers can load it as the reference.
+
+    folder = make_tiny_hf_model(tmp_path, "qwen2", num_hidden_layers=3)
+    loaded = quickdraft.loading.load.load_model(str(folder), dtype="float32")
+    reference = load_reference(folder)  # transformers model, fp32, eval mode
+
+The tokenizer is a byte-level BPE trained on a small ASCII corpus: its alphabet holds only the
+bytes the corpus uses, so every id decodes to printable ASCII and generated text is easy to
+reason about (no partial UTF-8 characters). It knows three special tokens, ChatML style:
+``<|endoftext|>`` (0, BOS/EOS), ``<|im_start|>`` (1) and ``<|im_end|>`` (2, also EOS), and carries a
+ChatML chat template. Weights are random but seeded, so a given (model_type, overrides, seed) always
+produces the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+EOS_ID = 0  # <|endoftext|>
+IM_END_ID = 2
+TOKENIZER_VOCAB = 300
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "for i in range(10):\n    print(i, i * i, i ** 3)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n",
+    "Speculative decoding drafts several tokens cheaply and verifies them in one pass.",
+    "Hello, world! How are you today? I am fine, thank you; and you?",
+    "import os, sys, json\nfrom pathlib import Path\n\nprint(json.dumps({'a': 1, 'b': [2, 3]}))\n",
+    "0123456789 +-*/=<>()[]{}:;,.'\"!?#@$%^&_|~`\\",
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz",
+]
+
+# Per-architecture knobs on top of the shared tiny shape.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"use_sliding_window": False, "sliding_window": None},  # attention_bias is implied
+    "qwen3": {"head_dim": 32, "use_sliding_window": False, "sliding_window": None},
+}
+SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    backend = _Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
+    backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return backend.to_str()
+
+
+def write_tokenizer(folder: Path, eos_token_id: int | list[int] | None = None) -> Path:
+    """Write the tiny tokenizer's files into ``folder``; ``eos_token_id`` adds a config.json
+    naming extra stop ids (how Hugging Face folders declare several EOS ids)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": ENDOFTEXT,
+        "eos_token": ENDOFTEXT,
+        "pad_token": ENDOFTEXT,
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 4096,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if eos_token_id is not None:
+        (folder / "config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    return folder
+
+
+def tokenizer_vocab_size() -> int:
+    return int(_Backend.from_str(_tokenizer_json()).get_vocab_size(with_added_tokens=True))
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
+    """A transformers config of the tiny shape; ``overrides`` replace any field."""
+    from transformers import AutoConfig
+
+    if model_type not in _ARCH_DEFAULTS:
+        raise ValueError(f"tiny models exist for {', '.join(SUPPORTED_TYPES)}, not {model_type!r}")
+    fields: dict[str, Any] = dict(
+        vocab_size=tokenizer_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        **_ARCH_DEFAULTS[model_type],
+    )
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def make_tiny_hf_model(
+    tmp_path: Path,
+    model_type: str = "llama",
+    *,
+    seed: int = 0,
+    name: str | None = None,
+    init_gain: float = 1.0,
+    **overrides: Any,
+) -> Path:
+    """Build a seeded random ``model_type`` model, save it as a Hugging Face folder, return it.
+
+    ``overrides`` are config fields (``num_hidden_layers=3``, ``tie_word_embeddings=True``,
+    ``rope_scaling={...}``, ``vocab_size=400`` for a padded vocabulary ...). Weights are drawn
+    with std ``init_gain / sqrt(fan_in)`` (embeddings: std 1), far above transformers' 0.02
+    default, so activations keep unit scale, logits are spread out and greedy choices are well
+    separated rather than decided by float rounding. Norm weights and biases are randomised
+    too, so a loader that skipped them would be caught.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif pname.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif pname.endswith("embed_tokens.weight"):
+                param.normal_(0.0, 1.0)
+            else:
+                param.normal_(0.0, init_gain / param.shape[-1] ** 0.5)
+    folder = tmp_path / (name or f"tiny-{model_type}-{seed}")
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_tokenizer_metadata(writer: Any) -> None:
+    """Store the tiny BPE the way llama.cpp does: tokens, types, merges, special ids."""
+    spec = json.loads(_tokenizer_json())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {a["id"] for a in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])  # 3 = control
+    writer.add_token_merges(
+        [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    )
+    writer.add_bos_token_id(EOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+
+
+def _llama_cpp_permute(w: Any, n_head: int) -> Any:
+    """llama.cpp's q/k row order (convert_hf_to_gguf.py ``LlamaModel.permute``)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _llama3_rope_factors(config: Any) -> Any:
+    """The ``rope_freqs.weight`` tensor llama.cpp writes for rope_type "llama3" (per-frequency
+    divisors of the inverse frequencies), as convert_hf_to_gguf.py computes it."""
+    import math
+
+    import numpy as np
+
+    rope = config.rope_parameters
+    base, dim = rope["rope_theta"], config.head_dim
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def hf_to_gguf(folder: Path, path: Path) -> Path:
+    """Convert a tiny Hugging Face folder to an F32 GGUF file as llama.cpp's converter would.
+
+    Tensor names, q/k row permutation (llama only), metadata keys, the tokenizer and, for
+    rope_type "llama3", the ``rope_freqs.weight`` tensor follow convert_hf_to_gguf.py.
+    Mistral converts to architecture "llama", like llama.cpp does.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder))
+    arch = {"mistral": "llama"}.get(config.model_type, config.model_type)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(folder.name)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    gguf_tokenizer_metadata(w)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, kv_heads)
+        if name in _GGUF_GLOBAL:
+            gguf_name = _GGUF_GLOBAL[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def load_reference(folder: Path) -> Any:
+    """The transformers model stored in ``folder``, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference_logits(model: Any, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Full-sequence logits ``[T, V]`` from a transformers causal LM (no cache)."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    return model(input_ids=ids.unsqueeze(0), use_cache=False).logits[0].float()
