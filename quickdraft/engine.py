@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
@@ -87,12 +88,20 @@ class RequestStats:
         return d
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float  # log p(token) under the target's raw distribution at its position
+    top: list[tuple[int, float]]  # the n most likely tokens there (SamplingParams.logprobs = n)
+
+
 @dataclass
 class StepOutput:
     token_ids: list[int]  # tokens emitted by this step (after stop truncation)
     text: str  # text safe to show, new since the last step
     finish_reason: str | None  # "stop" | "length" | None while running
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
 
     @property
     def finished(self) -> bool:
@@ -106,6 +115,7 @@ class _Request:
     generator: torch.Generator
     stop: StopChecker
     stats: RequestStats
+    constraint: Constraint | None = None
     output: list[int] = field(default_factory=list)
 
     def output_tensor(self) -> torch.Tensor:
@@ -119,7 +129,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache()
-        self.device = next(model.parameters()).device
+        self.device = model.device
 
     def generate(
         self,
@@ -127,11 +137,17 @@ class Engine:
         params: SamplingParams,
         drafter: Drafter | None = None,
         num_draft: int = 0,
+        constraint: Constraint | None = None,
     ) -> Iterator[StepOutput]:
-        """Stream the continuation of ``prompt_ids``; each step yields >= 0 new tokens."""
+        """Stream the continuation of ``prompt_ids``; each step yields >= 0 new tokens.
+
+        ``constraint`` (structured output) masks the target's logits at every position, in plain
+        and speculative steps alike.
+        """
         req = self._start(prompt_ids, params, drafter)
-        token = self._prefill(req, drafter)
-        step = self._emit(req, token)
+        req.constraint = constraint
+        token, logits = self._prefill(req, drafter)
+        step = self._emit(req, token, logits)
         if drafter is not None:
             drafter.commit(token, 0)
         yield step
@@ -140,13 +156,13 @@ class Engine:
             t0 = time.perf_counter()
             draft = drafter.propose(k) if drafter is not None and k > 0 else _NO_DRAFT
             t1 = time.perf_counter()
-            verdict = self._verify(req, draft)
+            verdict, logits = self._verify(req, draft)
             req.stats.draft_seconds += t1 - t0
             req.stats.verify_seconds += time.perf_counter() - t1
             req.stats.record(verdict, draft.k)
             if drafter is not None:
                 drafter.commit(verdict.tokens, verdict.num_accepted)
-            step = self._emit(req, verdict.tokens)
+            step = self._emit(req, verdict.tokens, logits)
             yield step
 
     def _start(self, prompt_ids: Sequence[int], params: SamplingParams, drafter: Drafter | None) -> _Request:
@@ -166,34 +182,37 @@ class Engine:
         stop = StopChecker(self.tokenizer, params, prompt_ids)
         return _Request(prompt, params, make_generator(params.seed, self.device), stop, stats)
 
-    def _prefill(self, req: _Request, drafter: Drafter | None) -> torch.Tensor:
+    def _prefill(self, req: _Request, drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.reset()
         logits, _ = self.model(req.prompt, self.cache, num_logits=1)  # [1, V]
         if drafter is not None:
             drafter.prefill(req.prompt, req.params)
-        token = self._choose(req, logits, None)  # [1]
-        req.stats.t_first = time.perf_counter()
-        return token
-
-    def _choose(self, req: _Request, logits: torch.Tensor, draft: torch.Tensor | None) -> torch.Tensor:
-        history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
-        processed = process_logits(logits, req.params, req.prompt, history, draft)
+        processed = self._process(req, logits, _NO_DRAFT)
         if req.params.greedy:
-            return greedy_tokens(processed)
-        return sample_tokens(probs_from_logits(processed), req.generator)
+            token = greedy_tokens(processed)  # [1]
+        else:
+            token = sample_tokens(probs_from_logits(processed), req.generator)
+        req.stats.t_first = time.perf_counter()
+        return token, logits
 
-    def _verify(self, req: _Request, draft: Draft) -> Verdict:
+    def _process(self, req: _Request, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """The distribution to pick from at each row: constraint mask, then sampling transforms."""
+        if req.constraint is not None:
+            logits = apply_mask(logits, req.constraint.allowed(draft.tokens.tolist(), self.tokenizer.vocab_size))
+        history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
+        return process_logits(logits, req.params, req.prompt, history, draft.tokens if draft.k else None)
+
+    def _verify(self, req: _Request, draft: Draft) -> tuple[Verdict, torch.Tensor]:
         start = self.cache.length
         ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), draft.tokens])  # [k+1]
         logits, _ = self.model(ids, self.cache)  # [k+1, V]
-        history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
-        processed = process_logits(logits, req.params, req.prompt, history, draft.tokens if draft.k else None)
+        processed = self._process(req, logits, draft)
         if req.params.greedy:
             verdict = verify_greedy(greedy_tokens(processed), draft)
         else:
             verdict = verify_sampled(probs_from_logits(processed), draft, req.generator)
         self.cache.truncate(start + 1 + verdict.num_accepted)  # keep last token + accepted drafts
-        return verdict
+        return verdict, logits
 
     def _budget(self, req: _Request, k: int) -> int:
         """Draft no further than the tokens still allowed and the cache still holds."""
@@ -201,7 +220,8 @@ class Engine:
         room = self.cache.max_len - self.cache.length - 1
         return max(0, min(k, left, room))
 
-    def _emit(self, req: _Request, tokens: torch.Tensor) -> StepOutput:
+    def _emit(self, req: _Request, tokens: torch.Tensor, logits: torch.Tensor) -> StepOutput:
+        """Apply stops token by token; ``logits`` [>= n, V] row i is token i's raw distribution."""
         text, kept = "", []
         for token in tokens.tolist():  # sync: the host needs the ids for text and stops
             req.output.append(token)
@@ -209,6 +229,21 @@ class Engine:
             text += req.stop.add(token)
             if req.stop.finished:
                 break
+        if req.constraint is not None:
+            req.constraint.commit(kept)
         req.stats.output_tokens = len(req.output)
         req.stats.t_end = time.perf_counter()
-        return StepOutput(kept, text, req.stop.finish_reason, req.stats)
+        logprobs = _logprobs(logits[: len(kept)], kept, req.params.logprobs) if req.params.logprobs is not None else None
+        return StepOutput(kept, text, req.stop.finish_reason, req.stats, logprobs)
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of the emitted tokens (accepted drafts included) and the top ``top``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    if top:
+        values, ids = lp.topk(top, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(tokens, chosen, tops, strict=True)]

@@ -45,6 +45,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; n >= 0: the chosen token's logprob and the top n
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and the CLI; store tuples so the object stays hashable.
@@ -96,6 +97,8 @@ def _problems(p: SamplingParams) -> list[str]:
         value = getattr(p, name)
         if not _is_real(value) or not -2 <= value <= 2:
             out.append(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
+        out.append(f"logprobs must be an integer in [0, 20] or None, got {p.logprobs!r}")
     if p.seed is not None and not _is_int(p.seed):
         out.append(f"seed must be an integer or None, got {p.seed!r}")
     if not all(isinstance(s, str) and s for s in p.stop):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from quickdraft.config import ModelConfig
@@ -129,14 +130,38 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTensor:
+    raw = np.asarray(t.data)  # [N, row_bytes] view of the memory map
+    if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
+        raw = _unpermute(raw, heads)  # a permutation of whole rows, so blocks stay intact
+    n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+    return QuantTensor(t.tensor_type, torch.from_numpy(np.array(raw, dtype=np.uint8)), (n, k))
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_tensors(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor, dequantized, in HF layout."""
+@dataclass(frozen=True)
+class QuantTensor:
+    """A weight kept in its GGUF block format: ``raw`` [N, row_bytes] uint8 for an [N, K] matrix."""
+
+    qtype: GGMLQuantizationType
+    raw: torch.Tensor
+    shape: tuple[int, int]
+
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+
+
+def iter_tensors(
+    reader: GGUFReader, cfg: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor in HF layout: float32, or with
+    ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
     permute = cfg.model_type == "llama"
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -144,6 +169,9 @@ def iter_tensors(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, to
             if t.name.startswith("rope_freqs"):
                 continue  # read by rope_freq_factors() into the config
             raise QuickdraftError(f"unexpected tensor {t.name!r} in GGUF; this model variant is not supported")
+        if keep_quantized and t.tensor_type not in _FLOAT_TYPES and len(t.shape) == 2:
+            yield name, _quant_tensor(t, name, cfg, permute)
+            continue
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:

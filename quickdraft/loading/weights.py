@@ -2,7 +2,9 @@
 
 The model is built on the meta device and materialised in the inference dtype first, so each
 checkpoint tensor is converted and copied in one at a time and peak memory stays near the
-final size (no fp32 copy of the whole model).
+final size (no fp32 copy of the whole model). Block-quantized GGUF matrices
+(:class:`QuantTensor`) replace their ``Linear`` / ``Embedding`` with a module that computes on the
+blocks directly, so the weights stay as compact in memory as in the file.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import torch
 from torch import nn
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.loading.gguf import QuantTensor
 
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> None:
+def load_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | QuantTensor]], tied: bool
+) -> None:
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away
     filled: set[str] = set()
     for name, tensor in tensors:
@@ -27,14 +32,34 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
         param = params.get(name)
         if param is None:
             raise QuickdraftError(f"checkpoint tensor {name!r} has no place in the model; is the config right?")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise QuickdraftError(
-                f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)
+        shape = tensor.shape if isinstance(tensor, QuantTensor) else tuple(tensor.shape)
+        if tuple(shape) != tuple(param.shape):
+            raise QuickdraftError(f"tensor {name} has shape {tuple(shape)}, the model expects {tuple(param.shape)}")
+        if isinstance(tensor, QuantTensor):
+            _install_quantized(model, name, tensor, tied)
+        else:
+            with torch.no_grad():
+                param.copy_(tensor)
         filled.add(name)
     missing = sorted(set(params) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise QuickdraftError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+
+
+def _install_quantized(model: nn.Module, name: str, q: QuantTensor, tied: bool) -> None:
+    from quickdraft.models.layers import QuantEmbedding
+    from quickdraft.quant.ggml import GGMLLinear
+
+    parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, attr)
+    if isinstance(old, nn.Embedding):
+        linear = GGMLLinear(q.qtype, q.raw, q.shape[1])
+        setattr(parent, attr, QuantEmbedding(linear))
+        if tied:  # one copy of the blocks serves the embedding and the output head
+            model.lm_head = linear  # type: ignore[assignment]
+    elif isinstance(old, nn.Linear):
+        setattr(parent, attr, GGMLLinear(q.qtype, q.raw, q.shape[1], bias=old.bias))
+    else:
+        raise QuickdraftError(f"tensor {name} is block-quantized, but its layer cannot use quantized weights")

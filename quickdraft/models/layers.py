@@ -43,6 +43,17 @@ class Linear(nn.Linear):
         return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
 
 
+class QuantEmbedding(nn.Module):
+    """Token embedding read from a block-quantized matrix (dequantizes only the rows looked up)."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H] float32
+        return self.linear.embedding(ids)  # type: ignore[operator]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

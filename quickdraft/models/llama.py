@@ -33,6 +33,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.max_len = max_len
+        self.dtype = torch.float32  # activation and KV cache dtype (set by materialize)
+        self.device = torch.device("cpu")
         self.model = _Backbone(cfg, max_len)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -46,11 +48,15 @@ class CausalLM(nn.Module):
         self.to(dtype=dtype).to_empty(device=device)
         self.model.rope.reset_tables(device)
         self.tie_weights()
+        self.dtype, self.device = dtype, torch.device(device)
         return self
 
     def new_cache(self) -> KVCache:
-        cfg, w = self.config, self.model.embed_tokens.weight
-        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.max_len, w.dtype, w.device)
+        return self.make_cache(self.max_len)
+
+    def make_cache(self, max_len: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVCache
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec.base import Drafter
@@ -66,7 +65,7 @@ class Acceptance:
         self.rates = [self.prior] * self.max_k
 
     def observe(self, k: int, n: int) -> None:
-        for j in range(min(k, n + 1)):  # positions reached: 0..n (n+1 only if n < k)
+        for j in range(min(k, n + 1, self.max_k)):  # positions reached: 0..n (n+1 only if n < k)
             self.rates[j] = (1 - EMA) * self.rates[j] + EMA * float(j < n)
 
     def expected_tokens(self, k: int) -> float:
@@ -167,11 +166,9 @@ def _cut(draft: Draft, k: int) -> Draft:
 
 def measure_pass_seconds(model: CausalLM, rows: tuple[int, ...] = (1, 2, 4, 8), repeats: int = 2) -> dict[int, float]:
     """Time target passes of each row count on a scratch cache (a few seconds at most)."""
-    cfg = model.config
-    w = model.model.embed_tokens.weight
     n = max(1, min(64, model.max_len - max(rows)))  # a short context that fits any max_len
-    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n + max(rows), w.dtype, w.device)
-    context = torch.randint(0, cfg.vocab_size, (max(n, max(rows)),), device=w.device)
+    cache = model.make_cache(n + max(rows))
+    context = torch.randint(0, model.config.vocab_size, (max(n, max(rows)),), device=model.device)
     model(context[:n], cache, num_logits=1)
     out: dict[int, float] = {}
     for r in rows:
