@@ -45,6 +45,8 @@ class TargetCost:
         for (r0, s0), (r1, s1) in zip(pts, pts[1:], strict=False):
             if rows <= r1:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        if len(pts) == 1:
+            return pts[0][1]
         (r0, s0), (r1, s1) = pts[-2], pts[-1]
         return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
 

@@ -1,0 +1,265 @@
+"""The speculation policy: target pass costs, acceptance estimates, the choice of k, and
+AutoDrafter driving real generation (whatever it decides, greedy output stays plain greedy's)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import make_tiny_hf_model
+
+from quickdraft.engine import Engine
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.spec.policy import (
+    EMA,
+    PROBE_EVERY,
+    PROBE_K,
+    Acceptance,
+    AutoDrafter,
+    Candidate,
+    TargetCost,
+    best_k,
+    measure_pass_seconds,
+)
+from quickdraft.spec.verify import Draft
+
+PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
+N = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------- TargetCost
+
+
+def test_target_cost_interpolates_and_extrapolates() -> None:
+    cost = TargetCost({1: 1.0, 2: 2.0, 4: 3.0})
+    assert cost(1) == 1.0 and cost(2) == 2.0 and cost(4) == 3.0
+    assert cost(3) == pytest.approx(2.5)  # halfway between 2 and 4
+    assert cost(0) == 1.0  # below the smallest measured count: that count's cost
+    assert cost(6) == pytest.approx(4.0)  # beyond: the last segment's slope (0.5 per row)
+    assert cost(8) == pytest.approx(5.0)
+
+
+def test_target_cost_unsorted_points_and_two_points() -> None:
+    cost = TargetCost({8: 4.0, 1: 1.0})
+    assert cost(1) == 1.0 and cost(8) == 4.0
+    assert cost(4) == pytest.approx(1.0 + 3.0 * 3 / 7)
+    assert cost(15) == pytest.approx(7.0)
+
+
+def test_target_cost_observe_is_an_ema_and_adds_new_counts() -> None:
+    cost = TargetCost({1: 1.0, 4: 2.0})
+    cost.observe(1, 2.0)
+    assert cost(1) == pytest.approx((1 - EMA) * 1.0 + EMA * 2.0)
+    cost.observe(2, 5.0)  # a row count never measured is taken as is
+    assert cost.seconds[2] == 5.0
+    assert cost(2) == 5.0 and cost(3) == pytest.approx(3.5)
+    for _ in range(200):  # repeated observations converge to the new value
+        cost.observe(4, 0.5)
+    assert cost(4) == pytest.approx(0.5)
+
+
+def test_measure_pass_seconds_gives_positive_costs(tmp_path: Path) -> None:
+    loaded = load_model(
+        str(make_tiny_hf_model(tmp_path, "llama", seed=1)), dtype="float32", max_context=128
+    )
+    seconds = measure_pass_seconds(loaded.model, rows=(1, 2, 4), repeats=1)
+    assert set(seconds) == {1, 2, 4} and all(s > 0 for s in seconds.values())
+
+
+# ---------------------------------------------------------------------------------- Acceptance
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.5, 0.8, 0.95])
+@pytest.mark.parametrize("k", [0, 1, 2, 5, 8])
+def test_expected_tokens_closed_form(a: float, k: int) -> None:
+    acc = Acceptance(prior=a, max_k=8)
+    expected = k + 1 if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    assert acc.expected_tokens(k) == pytest.approx(expected)
+
+
+def test_expected_tokens_all_accepted_and_per_position() -> None:
+    assert Acceptance(prior=1.0, max_k=8).expected_tokens(5) == 6.0
+    acc = Acceptance(prior=0.5, max_k=3)
+    acc.rates = [0.9, 0.5, 0.2]
+    assert acc.expected_tokens(3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+
+
+def test_acceptance_observe_updates_only_positions_reached() -> None:
+    acc = Acceptance(prior=0.5, max_k=4)
+    acc.observe(k=3, n=1)  # position 0 accepted, position 1 rejected, position 2 never judged
+    assert acc.rates[0] == pytest.approx((1 - EMA) * 0.5 + EMA)
+    assert acc.rates[1] == pytest.approx((1 - EMA) * 0.5)
+    assert acc.rates[2:] == [0.5, 0.5]
+    acc = Acceptance(prior=0.5, max_k=4)
+    acc.observe(k=2, n=2)  # both accepted; positions beyond k untouched
+    assert acc.rates[0] == acc.rates[1] == pytest.approx((1 - EMA) * 0.5 + EMA)
+    assert acc.rates[2:] == [0.5, 0.5]
+
+
+def test_acceptance_learns_the_rate() -> None:
+    acc = Acceptance(prior=0.9, max_k=4)
+    for _ in range(100):
+        acc.observe(k=4, n=0)
+    assert acc.rates[0] < 1e-6 and acc.expected_tokens(4) == pytest.approx(1.0, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------- best_k
+
+
+def candidate(rate: float, seconds_per_token: float = 0.0, max_k: int = 8) -> Candidate:
+    return Candidate(NGramDrafter(), Acceptance(rate, max_k), seconds_per_token, cheap=True)
+
+
+def test_best_k_zero_when_verification_costs_k_plus_1_passes() -> None:
+    linear = TargetCost({r: float(r) for r in (1, 2, 4, 8)})  # cost(k+1) = (k+1) * cost(1)
+    for rate in (0.0, 0.5, 0.9, 0.99):
+        k, speed = best_k(linear, candidate(rate), 8)
+        assert k == 0 and speed == pytest.approx(1.0)
+
+
+def test_best_k_positive_when_verification_cheap_and_acceptance_high() -> None:
+    flat = TargetCost({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1})
+    k, speed = best_k(flat, candidate(0.9), 8)
+    assert k >= 5 and speed > 3.0
+    expected = Acceptance(0.9, 8).expected_tokens(k) / flat(k + 1)
+    assert speed == pytest.approx(expected)
+    # ... and the k chosen is the best over 0..8.
+    assert all(
+        Acceptance(0.9, 8).expected_tokens(j) / flat(j + 1) <= speed + 1e-12 for j in range(9)
+    )
+
+
+def test_best_k_grows_with_acceptance_and_respects_max_k() -> None:
+    cost = TargetCost({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4})
+    ks = [best_k(cost, candidate(a), 8)[0] for a in (0.1, 0.5, 0.8, 0.95)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] > 0
+    assert best_k(cost, candidate(0.95), 3)[0] <= 3
+    assert best_k(cost, candidate(0.95), 0)[0] == 0
+
+
+def test_best_k_zero_when_drafting_is_expensive() -> None:
+    flat = TargetCost({1: 1.0, 8: 1.0})
+    assert best_k(flat, candidate(0.9, seconds_per_token=2.0), 8)[0] == 0
+    assert best_k(flat, candidate(0.9, seconds_per_token=0.01), 8)[0] > 0
+
+
+# ------------------------------------------------------------------------- AutoDrafter, end to end
+
+
+class FrozenCost(TargetCost):
+    """Ignores measured pass times, so the test decides what verification costs."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, list[int], list[int]]:
+    folder = make_tiny_hf_model(tmp_path_factory.mktemp("policy"), "llama", seed=71)
+    loaded = load_model(str(folder), dtype="float32", max_context=256)
+    prompt = loaded.tokenizer.encode(PROMPT)
+    steps = list(
+        Engine(loaded.model, loaded.tokenizer).generate(
+            prompt, SamplingParams(max_tokens=N, ignore_eos=True)
+        )
+    )
+    return loaded, prompt, [t for s in steps for t in s.token_ids]
+
+
+def run_auto(
+    tiny: tuple[LoadedModel, list[int], list[int]], auto: AutoDrafter, k: int = 8
+) -> tuple[list[int], object]:
+    loaded, prompt, _ = tiny
+    engine = Engine(loaded.model, loaded.tokenizer)
+    steps = list(engine.generate(prompt, SamplingParams(max_tokens=N, ignore_eos=True), auto, k))
+    return [t for s in steps for t in s.token_ids], steps[-1].stats
+
+
+def test_auto_with_expensive_verification_only_probes(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    _, _, truth = tiny
+    linear = FrozenCost({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})
+    ngram = Candidate(NGramDrafter(min_ngram=1), Acceptance(0.9, 8), 0.0, cheap=True)
+    auto = AutoDrafter([ngram], linear)
+    ids, stats = run_auto(tiny, auto)
+    assert ids == truth
+    steps = stats.target_passes  # type: ignore[attr-defined]
+    probes = auto.usage["ngram"]
+    assert 1 <= probes <= steps // (PROBE_EVERY + 1) + 1  # only the periodic probes drafted
+    # every step asked the policy, except the last ones where the budget left no room to draft
+    assert steps - 2 <= auto.usage["none"] + probes <= steps
+    assert stats.drafted <= PROBE_K * probes  # type: ignore[attr-defined]
+
+
+def test_auto_with_cheap_verification_speculates(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    _, _, truth = tiny
+    flat = FrozenCost({1: 1.0, 2: 1.0, 4: 1.01, 8: 1.02})
+    ngram = Candidate(NGramDrafter(min_ngram=1), Acceptance(0.9, 8), 0.0, cheap=True)
+    auto = AutoDrafter([ngram], flat)
+    ids, stats = run_auto(tiny, auto)
+    assert ids == truth
+    assert auto.usage["ngram"] > PROBE_EVERY // 2 and stats.drafted > auto.usage["ngram"]  # type: ignore[attr-defined]
+
+
+def test_auto_with_measured_costs_equals_plain(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    loaded, _, truth = tiny
+    cost = TargetCost(measure_pass_seconds(loaded.model, rows=(1, 2, 4, 8), repeats=1))
+    auto = AutoDrafter([Candidate(NGramDrafter(), Acceptance(0.6, 8), 0.0, cheap=True)], cost)
+    ids, _ = run_auto(tiny, auto)
+    assert ids == truth
+    assert sum(auto.usage.values()) > 0
+
+
+class EchoDrafter:
+    """Always right: proposes the next tokens of the known greedy output."""
+
+    name = "echo"
+
+    def __init__(self, truth: list[int]) -> None:
+        self.truth = truth
+        self.out = 0
+
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+        self.out = 0
+
+    def propose(self, k: int) -> Draft:
+        return Draft(tokens=torch.tensor(self.truth[self.out : self.out + k], dtype=torch.long))
+
+    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
+        self.out += int(tokens.shape[0])
+
+    def reset(self) -> None:
+        self.out = 0
+
+
+def test_auto_fixed_k_beyond_acceptance_positions(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    """--draft auto --num-draft 12 builds Acceptance(max_k=8) but drafts 12: runs of more than 8
+    accepted tokens used to raise IndexError in Acceptance.observe."""
+    _, _, truth = tiny
+    cost = FrozenCost({1: 1.0, 8: 1.0})
+    echo = Candidate(EchoDrafter(truth), Acceptance(0.7, 8), 0.001, cheap=False)
+    ngram = Candidate(NGramDrafter(), Acceptance(0.6, 8), 0.0, cheap=True)
+    auto = AutoDrafter([ngram, echo], cost, fixed_k=12)
+    ids, stats = run_auto(tiny, auto, k=12)
+    assert ids == truth
+    assert auto.usage["echo"] > 0 and stats.accepted > 8  # type: ignore[attr-defined]
+    assert all(0.0 <= r <= 1.0 for r in echo.acceptance.rates)

@@ -1,0 +1,859 @@
+"""Lossless speculative decoding, end to end through the engine.
+
+Greedy: whatever a drafter proposes (always right, always wrong, right up to a chosen position,
+random, n-gram lookup, another model, the target itself), the speculative output must be
+token-identical to plain greedy decoding, on tiny random llama/qwen2 models and on the real
+SmolLM2-135M, in fp32 and in the shipped bf16. The scripted drafters below also check that the
+engine accepts exactly the longest right prefix of every proposal and that the stats report it.
+
+Sampling: the first tokens' marginals under speculative sampling must match the target's exact
+distribution (computed by enumerating prefixes) as closely as the sample count allows.
+
+Everything here runs with one compute thread (restored afterwards): on the 2-core test machines a
+second OpenMP thread makes tiny passes many times slower as soon as another process is busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny import make_tiny_hf_model, write_tokenizer
+
+from quickdraft.api import LLM
+from quickdraft.engine import Engine, RequestStats, StepOutput
+from quickdraft.errors import QuickdraftError
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.llama import CausalLM
+from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
+from quickdraft.spec.base import Drafter
+from quickdraft.spec.draft_model import DraftModelDrafter, check_same_tokenizer
+from quickdraft.spec.factory import SpecConfig, build_drafter
+from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.spec.policy import Acceptance, AutoDrafter, Candidate, TargetCost
+from quickdraft.spec.verify import Draft
+from quickdraft.tokenizer import Tokenizer
+
+KS = [1, 2, 3, 5, 8]
+TINY_N = 48  # greedy tokens per tiny run
+SMOL_N = 40  # greedy tokens per fp32 SmolLM2 run
+BF16_N = 64
+TINY_PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
+SMOL_PROMPT = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a * b\n\n\ndef"
+)
+EMPTY = torch.empty(0, dtype=torch.long)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+@dataclass
+class Run:
+    ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: RequestStats
+    steps: list[StepOutput]
+
+
+def generate(
+    loaded: LoadedModel,
+    prompt: list[int],
+    drafter: Drafter | None = None,
+    k: int = 0,
+    tokenizer: Tokenizer | None = None,
+    **params: Any,
+) -> Run:
+    engine = Engine(loaded.model, tokenizer or loaded.tokenizer)
+    steps = list(engine.generate(prompt, SamplingParams(**params), drafter, k))
+    return Run(
+        [t for s in steps for t in s.token_ids],
+        "".join(s.text for s in steps),
+        steps[-1].finish_reason,
+        steps[-1].stats,
+        steps,
+    )
+
+
+@dataclass
+class Case:
+    """A model, a prompt and its plain greedy continuation (EOS ignored, ``len(truth)`` tokens)
+    under ``params`` (extra SamplingParams fields, e.g. penalties)."""
+
+    loaded: LoadedModel
+    prompt: list[int]
+    truth: list[int]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab(self) -> int:
+        return self.loaded.config.vocab_size
+
+    def spec(self, drafter: Drafter, k: int, **params: Any) -> Run:
+        params = {"max_tokens": len(self.truth), "ignore_eos": True} | self.params | params
+        return generate(self.loaded, self.prompt, drafter, k, **params)
+
+
+def make_case(loaded: LoadedModel, text: str, n: int, **params: Any) -> Case:
+    prompt = loaded.tokenizer.encode(text)
+    run = generate(loaded, prompt, max_tokens=n, ignore_eos=True, **params)
+    assert len(run.ids) == n and run.finish_reason == "length"
+    assert run.stats.target_passes == n - 1 and run.stats.drafted == 0
+    return Case(loaded, prompt, run.ids, params)
+
+
+class ScriptedDrafter:
+    """Knows the plain greedy output; ``draft(true, step)`` turns the next k true tokens into a
+    proposal. Checks on every commit that the engine emitted the truth and accepted exactly the
+    longest right prefix of the proposal; ``log`` keeps (k, num_accepted) per drafting step."""
+
+    name = "scripted"
+
+    def __init__(self, truth: list[int], vocab: int) -> None:
+        self.truth, self.vocab = truth, vocab
+        self.context: list[int] = []
+        self.prompt_len = 0
+        self.step = 0
+        self.proposed: list[int] | None = None
+        self.log: list[tuple[int, int]] = []
+
+    def draft(self, true: list[int], step: int) -> list[int]:
+        raise NotImplementedError
+
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+        self.context = [int(t) for t in prompt_ids.tolist()]
+        self.prompt_len = len(self.context)
+        self.step, self.proposed, self.log = 0, None, []
+
+    def propose(self, k: int) -> Draft:
+        assert self.proposed is None, "propose called twice without a commit"
+        pos = len(self.context) - self.prompt_len
+        true = self.truth[pos : pos + k]
+        assert len(true) == k, f"the engine asked for {k} drafts at output {pos}, past max_tokens"
+        self.proposed = self.draft(true, self.step)
+        self.step += 1
+        return Draft(tokens=torch.tensor(self.proposed, dtype=torch.long))
+
+    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
+        emitted = [int(t) for t in tokens.tolist()]
+        pos = len(self.context) - self.prompt_len
+        assert emitted == self.truth[pos : pos + len(emitted)], f"output differs at {pos}"
+        if self.proposed is None:
+            assert num_accepted == 0 and len(emitted) == 1
+        else:
+            true = self.truth[pos : pos + len(self.proposed)]
+            right = 0
+            while right < len(true) and self.proposed[right] == true[right]:
+                right += 1
+            assert num_accepted == right, (
+                f"step {self.step - 1}: accepted {num_accepted}, {right} right"
+            )
+            assert len(emitted) == num_accepted + 1
+            self.log.append((len(self.proposed), num_accepted))
+            self.proposed = None
+        self.context.extend(emitted)
+
+    def reset(self) -> None:
+        self.context, self.proposed = [], None
+
+
+class OracleDrafter(ScriptedDrafter):
+    name = "oracle"
+
+    def draft(self, true: list[int], step: int) -> list[int]:
+        return list(true)
+
+
+class WrongDrafter(ScriptedDrafter):
+    name = "wrong"
+
+    def draft(self, true: list[int], step: int) -> list[int]:
+        return [(t + 1) % self.vocab for t in true]
+
+
+class PartlyRightDrafter(ScriptedDrafter):
+    """Right except at the draft positions ``wrong_at(step)``."""
+
+    name = "partly"
+
+    def __init__(self, truth: list[int], vocab: int, wrong_at: Callable[[int], set[int]]) -> None:
+        super().__init__(truth, vocab)
+        self.wrong_at = wrong_at
+
+    def draft(self, true: list[int], step: int) -> list[int]:
+        bad = self.wrong_at(step)
+        return [(t + 1) % self.vocab if i in bad else t for i, t in enumerate(true)]
+
+
+class RandomDrafter(ScriptedDrafter):
+    """Each token right with probability ``p_right``, else a seeded random id."""
+
+    name = "random"
+
+    def __init__(self, truth: list[int], vocab: int, seed: int, p_right: float) -> None:
+        super().__init__(truth, vocab)
+        self.rng = random.Random(seed)
+        self.p_right = p_right
+
+    def draft(self, true: list[int], step: int) -> list[int]:
+        return [
+            t if self.rng.random() < self.p_right else self.rng.randrange(self.vocab) for t in true
+        ]
+
+
+def partly_wrong_at(step: int) -> set[int]:
+    return {0} if step % 3 == 0 else {2}
+
+
+def make_drafter(kind: str, case: Case) -> ScriptedDrafter:
+    if kind == "oracle":
+        return OracleDrafter(case.truth, case.vocab)
+    if kind == "wrong":
+        return WrongDrafter(case.truth, case.vocab)
+    if kind == "partly":
+        return PartlyRightDrafter(case.truth, case.vocab, partly_wrong_at)
+    if kind == "random":
+        return RandomDrafter(case.truth, case.vocab, seed=7, p_right=0.0)
+    if kind == "coin":
+        return RandomDrafter(case.truth, case.vocab, seed=8, p_right=0.6)
+    raise ValueError(kind)
+
+
+def check_scripted(case: Case, kind: str, k: int) -> None:
+    """Speculative greedy == plain greedy, and the stats match what the drafter construction implies."""
+    drafter = make_drafter(kind, case)
+    run = case.spec(drafter, k)
+    n = len(case.truth)
+    assert run.ids == case.truth
+    assert run.finish_reason == "length"
+    stats, log = run.stats, drafter.log
+    # Every target pass emits accepted + 1 tokens; the prefill emitted the first one.
+    assert stats.accepted + stats.target_passes == n - 1
+    assert stats.drafted == sum(kk for kk, _ in log)
+    assert stats.accepted == sum(a for _, a in log)
+    # The engine offers min(k, tokens still allowed - 1): k every step but where the budget cuts it.
+    out = 1
+    for kk, a in log:
+        assert kk == min(k, n - out - 1)
+        out += a + 1
+    per_pos_drafted = [sum(kk > i for kk, _ in log) for i in range(k)]
+    per_pos_accepted = [sum(a > i for _, a in log) for i in range(k)]
+    assert stats.drafted_per_position == per_pos_drafted[: len(stats.drafted_per_position)]
+    assert stats.accepted_per_position == per_pos_accepted[: len(stats.accepted_per_position)]
+    if kind == "oracle":
+        assert stats.accepted == stats.drafted
+        assert stats.target_passes == math.ceil((n - 1) / (k + 1))
+        assert stats.tau == pytest.approx((n - 1) / math.ceil((n - 1) / (k + 1)))
+        if (n - 1) % (k + 1) == 0:
+            assert stats.tau == k + 1
+    elif kind == "wrong":
+        assert stats.accepted == 0 and stats.drafted > 0
+        assert stats.tau == 1.0 and stats.target_passes == n - 1
+    elif kind == "partly":
+        for step, (kk, a) in enumerate(log):
+            first_wrong = min(partly_wrong_at(step))
+            assert a == min(first_wrong, kk)
+        assert 0 < stats.accepted < stats.drafted
+    elif kind == "random":
+        assert stats.drafted > 0
+
+
+def perturbed_copy(folder: Path, seed: int, scale: float, max_context: int = 256) -> LoadedModel:
+    """The model in ``folder`` with every weight nudged by ``scale`` times its own spread."""
+    copy = load_model(str(folder), dtype="float32", max_context=max_context)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * param.std() * scale)
+    return copy
+
+
+# --------------------------------------------------------------------------- tiny fp32 models
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spec")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_folder(request: pytest.FixtureRequest, tiny_root: Path) -> Path:
+    return make_tiny_hf_model(tiny_root, request.param, seed=21)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder: Path) -> Case:
+    return make_case(
+        load_model(str(tiny_folder), dtype="float32", max_context=256), TINY_PROMPT, TINY_N
+    )
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "random", "coin"])
+def test_tiny_scripted_drafters_match_plain_greedy(tiny: Case, kind: str, k: int) -> None:
+    check_scripted(tiny, kind, k)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("min_ngram", [1, 2])
+def test_tiny_ngram_matches_plain_greedy(tiny: Case, k: int, min_ngram: int) -> None:
+    run = tiny.spec(NGramDrafter(min_ngram=min_ngram), k)
+    assert run.ids == tiny.truth
+    assert run.stats.drafted > 0
+
+
+def test_tiny_ngram_through_auto_drafter(tiny: Case) -> None:
+    drafter, k = build_drafter(SpecConfig(draft="ngram"), tiny.loaded, "float32")
+    assert isinstance(drafter, AutoDrafter) and k > 0
+    assert tiny.spec(drafter, k).ids == tiny.truth
+    # A fixed k through the policy too (it still picks per step, but drafts min(k, preview)).
+    cheap = TargetCost({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    auto = AutoDrafter(
+        [Candidate(NGramDrafter(min_ngram=1), Acceptance(0.6, 8), 0.0, cheap=True)],
+        cheap,
+        fixed_k=3,
+    )
+    run = tiny.spec(auto, 3)
+    assert run.ids == tiny.truth and run.stats.drafted > 0
+
+
+def test_tiny_rows_are_batch_invariant(tiny: Case) -> None:
+    check_rows_bitwise(
+        tiny.loaded.model, tiny.prompt, tiny.truth[:20], [2, 4, 8, 9, 16, 17], [0, 3]
+    )
+
+
+PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3}
+
+
+@pytest.fixture(scope="module")
+def tiny_penalised(tiny: Case) -> Case:
+    """Greedy with every penalty on: row i of a verify pass must count draft[:i] as output."""
+    case = make_case(tiny.loaded, TINY_PROMPT, TINY_N, **PENALTIES)
+    assert case.truth != tiny.truth  # the penalties change the output
+    return case
+
+
+@pytest.mark.parametrize("k", [3, 8])
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "coin"])
+def test_tiny_penalties_greedy_match_plain(tiny_penalised: Case, kind: str, k: int) -> None:
+    check_scripted(tiny_penalised, kind, k)
+
+
+def test_tiny_penalties_draft_model(tiny_penalised: Case) -> None:
+    """The target drafting for itself, without penalties (the draft lacks the history): it is
+    right only where the penalties do not change the choice."""
+    case = tiny_penalised
+    run = case.spec(DraftModelDrafter(case.loaded.model, case.vocab), 4)
+    assert run.ids == case.truth
+    assert 0 < run.stats.accepted < run.stats.drafted
+
+
+def test_speculation_up_to_the_end_of_the_context(tiny_folder: Path) -> None:
+    """max_tokens beyond the context: speculation must stop drafting where the cache ends and
+    finish with "length" exactly where plain decoding does."""
+    small = load_model(str(tiny_folder), dtype="float32", max_context=48)
+    prompt = small.tokenizer.encode(TINY_PROMPT)
+    room = 48 - len(prompt)
+    assert 10 < room < 40
+    plain = generate(small, prompt, max_tokens=100, ignore_eos=True)
+    assert len(plain.ids) == room and plain.finish_reason == "length"
+    drafters: list[tuple[Drafter, int]] = [
+        (OracleDrafter(plain.ids, small.config.vocab_size), 8),
+        (WrongDrafter(plain.ids, small.config.vocab_size), 5),
+        (NGramDrafter(min_ngram=1), 6),
+        (DraftModelDrafter(small.model, small.config.vocab_size), 5),
+    ]
+    for drafter, k in drafters:
+        run = generate(small, prompt, drafter, k, max_tokens=100, ignore_eos=True)
+        assert (run.ids, run.text, run.finish_reason) == (plain.ids, plain.text, "length"), (
+            drafter.name
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_near(tiny_folder: Path) -> LoadedModel:
+    """A slightly perturbed copy of the target: a draft model that is right only part of the time."""
+    return perturbed_copy(tiny_folder, seed=5, scale=0.5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_tiny_draft_model_matches_plain_greedy(tiny: Case, tiny_near: LoadedModel, k: int) -> None:
+    run = tiny.spec(DraftModelDrafter(tiny_near.model, tiny.vocab), k)
+    assert run.ids == tiny.truth
+    assert 0 < run.stats.accepted < run.stats.drafted
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_tiny_target_as_its_own_draft_is_all_accepted(tiny: Case, k: int) -> None:
+    """Same weights, its own cache: in fp32 with batch-invariant passes every draft is right."""
+    run = tiny.spec(DraftModelDrafter(tiny.loaded.model, tiny.vocab), k)
+    assert run.ids == tiny.truth
+    assert run.stats.accepted == run.stats.drafted > 0
+    assert run.stats.target_passes == math.ceil((len(tiny.truth) - 1) / (k + 1))
+
+
+def test_tiny_unrelated_and_padded_vocab_draft_models(
+    tiny: Case, tiny_root: Path, tiny_folder: Path
+) -> None:
+    """A draft from another seed (mostly wrong) and one with a padded vocabulary (400 > 300 ids)."""
+    arch = json.loads((tiny_folder / "config.json").read_text())["model_type"]
+    drafts: list[tuple[int, dict[str, Any]]] = [(22, {}), (23, {"vocab_size": 400})]
+    for seed, extra in drafts:
+        folder = make_tiny_hf_model(tiny_root, arch, seed=seed, **extra)
+        draft = load_model(str(folder), dtype="float32", max_context=256)
+        check_same_tokenizer(tiny.loaded.tokenizer, draft.tokenizer)
+        run = tiny.spec(DraftModelDrafter(draft.model, tiny.vocab), 3)
+        assert run.ids == tiny.truth and run.stats.drafted > 0
+
+
+def test_draft_model_drafter_keeps_up_when_not_asked(tiny: Case, tiny_near: LoadedModel) -> None:
+    """Under AutoDrafter the draft model sits out steps (k=0): its pending tokens must catch up."""
+    cost = FrozenCost({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    ngram = Candidate(NGramDrafter(min_ngram=1), Acceptance(0.95, 8), 0.0, cheap=True)
+    draft = Candidate(
+        DraftModelDrafter(tiny_near.model, tiny.vocab), Acceptance(0.5, 8), 0.01, cheap=False
+    )
+    auto = AutoDrafter([ngram, draft], cost)
+    run = tiny.spec(auto, 4)
+    assert run.ids == tiny.truth
+    assert auto.usage["draft"] > 0 and auto.usage["ngram"] > 0
+
+
+# ---------------------------------------------------------------- stops inside accepted runs
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_root: Path) -> Case:
+    folder = make_tiny_hf_model(tiny_root, "llama", seed=31, name="stops")
+    return make_case(load_model(str(folder), dtype="float32", max_context=256), TINY_PROMPT, TINY_N)
+
+
+def same_as_plain(case: Case, tokenizer: Tokenizer | None = None, **params: Any) -> Run:
+    """Plain vs oracle k=8 under ``params``: identical ids, text, finish reason and step texts."""
+    plain = generate(case.loaded, case.prompt, tokenizer=tokenizer, **params)
+    oracle = OracleDrafter(case.truth, case.vocab)
+    spec = generate(case.loaded, case.prompt, oracle, 8, tokenizer=tokenizer, **params)
+    assert spec.ids == plain.ids
+    assert spec.text == plain.text
+    assert spec.finish_reason == plain.finish_reason
+    assert spec.stats.output_tokens == plain.stats.output_tokens == len(plain.ids)
+    assert spec.stats.drafted > 0
+    return spec
+
+
+def mid_run_positions(case: Case) -> list[int]:
+    """Output indices strictly inside the first accepted run of an oracle with k=8 (outputs 1..9)."""
+    return [j for j in range(2, 9) if case.truth[j] not in case.truth[:j]]
+
+
+@pytest.mark.parametrize("max_tokens", [3, 5, 10, 11, 17, 23])
+def test_max_tokens_ends_mid_run(llama_case: Case, max_tokens: int) -> None:
+    run = same_as_plain(llama_case, max_tokens=max_tokens, ignore_eos=True)
+    assert run.ids == llama_case.truth[:max_tokens] and run.finish_reason == "length"
+
+
+def test_stop_token_mid_run(llama_case: Case) -> None:
+    j = mid_run_positions(llama_case)[0]
+    run = same_as_plain(
+        llama_case, max_tokens=TINY_N, ignore_eos=True, stop_token_ids=[llama_case.truth[j]]
+    )
+    assert run.ids == llama_case.truth[: j + 1] and run.finish_reason == "stop"
+
+
+def test_eos_mid_run(llama_case: Case, tmp_path: Path) -> None:
+    case = llama_case
+    j = next(
+        j for j in mid_run_positions(case) if case.truth[j] not in case.loaded.tokenizer.eos_ids
+    )
+    tokenizer = Tokenizer.from_hf_dir(
+        write_tokenizer(tmp_path / "tok", eos_token_id=[case.truth[j]])
+    )
+    assert case.truth[j] in tokenizer.eos_ids
+    run = same_as_plain(case, tokenizer, max_tokens=TINY_N)
+    assert run.ids == case.truth[: j + 1] and run.finish_reason == "stop"
+
+
+def test_stop_string_mid_run(llama_case: Case) -> None:
+    case, decode = llama_case, llama_case.loaded.tokenizer.decode
+    full = decode(case.truth)
+    for j in range(2, 9):
+        end, before = len(decode(case.truth[: j + 1])), len(decode(case.truth[:j]))
+        for width in (2, 3):
+            stop = full[max(0, end - width) : end]
+            # first seen exactly when token j arrives
+            if len(stop) == width and full.find(stop) == end - width and end > before:
+                run = same_as_plain(case, max_tokens=TINY_N, ignore_eos=True, stop=[stop])
+                assert run.finish_reason == "stop"
+                assert run.ids == case.truth[: j + 1]
+                assert run.text == full[: end - width]
+                return
+    pytest.skip("no stop string that completes inside the first run")
+
+
+# ------------------------------------------------------------------------- public API, tokenizer
+
+
+def test_api_ngram_and_draft_model_equal_plain(tiny_root: Path) -> None:
+    folder = make_tiny_hf_model(tiny_root, "qwen2", seed=41, name="api")
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = LLM(str(folder), draft="none", dtype="float32", threads=1)
+    expected = plain.generate(TINY_PROMPT, params)[0]
+    assert expected.stats.drafted == 0 and len(expected.token_ids) == 32
+    for draft, k in (("ngram", None), ("ngram", 4), (str(folder), 3), (str(folder), None)):
+        llm = LLM(str(folder), draft=draft, num_draft=k, dtype="float32", threads=1)
+        got = llm.generate(TINY_PROMPT, params)[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            expected.text,
+            expected.token_ids,
+            expected.finish_reason,
+        ), (draft, k)
+        if k is not None:
+            assert got.stats.drafted > 0
+        if draft == str(folder) and k is not None:
+            assert got.stats.accepted == got.stats.drafted  # the target drafting for itself
+
+
+def _other_tokenizer_folder(root: Path) -> Path:
+    """A tiny model whose tokenizer swaps the ids of two ordinary tokens: same size, other meaning."""
+    folder = make_tiny_hf_model(root, "llama", seed=51, name="other-tok")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_draft_with_other_tokenizer_is_refused(tiny_root: Path) -> None:
+    target = make_tiny_hf_model(tiny_root, "llama", seed=52, name="tok-target")
+    other = _other_tokenizer_folder(tiny_root)
+    same = Tokenizer.from_hf_dir(target)
+    different = Tokenizer.from_hf_dir(other)
+    assert different.vocab_size == same.vocab_size
+    check_same_tokenizer(same, Tokenizer.from_hf_dir(target))  # no error
+    with pytest.raises(QuickdraftError, match="tokenizer differs"):
+        check_same_tokenizer(same, different)
+    with pytest.raises(QuickdraftError, match="tokenizer differs"):
+        LLM(str(target), draft=str(other), num_draft=3, dtype="float32", threads=1)
+
+
+# -------------------------------------------------------------------------- real SmolLM2, fp32
+
+
+@pytest.fixture(scope="module")
+def smol32(smollm2_gguf: Path) -> Case:
+    loaded = load_model(str(smollm2_gguf), dtype="float32", max_context=256)
+    return make_case(loaded, SMOL_PROMPT, SMOL_N)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "k"), [("oracle", 8), ("oracle", 2), ("wrong", 5), ("partly", 5), ("coin", 3)]
+)
+def test_smollm2_scripted_drafters_match_plain_greedy(smol32: Case, kind: str, k: int) -> None:
+    check_scripted(smol32, kind, k)
+
+
+@pytest.mark.slow
+def test_smollm2_as_its_own_draft(smol32: Case) -> None:
+    run = smol32.spec(DraftModelDrafter(smol32.loaded.model, smol32.vocab), 3)
+    assert run.ids == smol32.truth
+    assert run.stats.accepted == run.stats.drafted > 0
+
+
+# ------------------------------------------------------- real SmolLM2, bf16 (the shipped dtype)
+
+
+@pytest.fixture(scope="module")
+def smol16(smollm2_gguf: Path) -> Case:
+    loaded = load_model(str(smollm2_gguf), dtype="bfloat16", max_context=256)
+    return make_case(loaded, SMOL_PROMPT, BF16_N)
+
+
+def check_rows_bitwise(
+    model: CausalLM, prompt: list[int], seq: list[int], rows: list[int], offsets: list[int]
+) -> None:
+    """Logits of each position decoded alone == the same position inside an r-row pass, bitwise."""
+    cache = model.new_cache()
+    model(torch.tensor(prompt), cache, num_logits=1)
+    base = cache.length
+    alone = [model(torch.tensor([t]), cache)[0][0] for t in seq]
+    for off in offsets:
+        for r in rows:
+            cache.truncate(base + off)
+            logits, _ = model(torch.tensor(seq[off : off + r]), cache)
+            for i in range(r):
+                assert torch.equal(logits[i], alone[off + i]), f"row {i} of {r} at offset {off}"
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_rows_are_batch_invariant(smol16: Case) -> None:
+    assert smol16.loaded.model.lm_head.weight.dtype == torch.bfloat16
+    check_rows_bitwise(smol16.loaded.model, smol16.prompt, smol16.truth[:16], [2, 4, 8, 9, 16], [0])
+    check_rows_bitwise(smol16.loaded.model, smol16.prompt, smol16.truth[:14], [2, 9], [5])
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_speculative_equals_plain(smol16: Case) -> None:
+    check_scripted(smol16, "oracle", 8)
+    run = smol16.spec(NGramDrafter(), 4)
+    assert run.ids == smol16.truth
+    assert run.stats.accepted > 0
+
+
+@pytest.mark.slow
+def test_qwen05_bf16_rows_are_batch_invariant(qwen05_gguf: Path) -> None:
+    loaded = load_model(str(qwen05_gguf), dtype="bfloat16", max_context=128)
+    prompt = loaded.tokenizer.encode("def fibonacci(n):\n")
+    seq = generate(loaded, prompt, max_tokens=16, ignore_eos=True).ids
+    check_rows_bitwise(loaded.model, prompt, seq, [2, 4, 8, 9, 16], [0])
+
+
+# ------------------------------------------------------------------- sampling, end to end
+
+
+SAMPLE_RUNS = 800
+SAMPLE_PROMPT = "for i in"
+SAMPLE_DEPTH = 3  # compare the marginals of the first 3 output tokens
+SHARPEN = 3.0  # lm_head scale: top probability ~0.3, a handful of likely tokens
+
+
+class FrozenCost(TargetCost):
+    """A cost model that ignores measurements, so a test decides what verification costs."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+
+class ConstDrafter:
+    """Always proposes the same tokens: a deterministic draft (q one-hot), like n-gram lookup's."""
+
+    name = "const"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+        pass
+
+    def propose(self, k: int) -> Draft:
+        return Draft(tokens=torch.tensor(self.tokens[:k], dtype=torch.long))
+
+    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def sharp_model(root: Path, seed: int) -> LoadedModel:
+    folder = make_tiny_hf_model(root, "llama", seed=seed, num_hidden_layers=1, name=f"sharp-{seed}")
+    loaded = load_model(str(folder), dtype="float32", max_context=400)  # room for a 300-leaf tree
+    with torch.no_grad():
+        loaded.model.lm_head.weight.mul_(SHARPEN)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_root: Path) -> LoadedModel:
+    return sharp_model(tiny_root, 61)
+
+
+@pytest.fixture(scope="module")
+def sampler_draft(sampler: LoadedModel) -> LoadedModel:
+    """A perturbed copy of the sampler: q overlaps p but differs from it (TV ~0.6-0.8), so both
+    acceptances and the residual max(0, p - q) matter."""
+    draft = perturbed_copy(sampler.path, seed=5, scale=0.5, max_context=400)
+    with torch.no_grad():
+        draft.model.lm_head.weight.mul_(SHARPEN)
+    return draft
+
+
+def exact_marginals(
+    model: CausalLM, prompt: list[int], params: SamplingParams
+) -> tuple[list[torch.Tensor], float]:
+    """The exact marginal distributions [V] (fp64) of the first 3 sampled tokens, and the mass left
+    out (first tokens rarer than 1e-7). One pass per first token x1 scores x1 and, as a tree of
+    siblings that each see prompt + x1 + itself, every possible second token at once."""
+    cache = model.new_cache()
+    logits, _ = model(torch.tensor(prompt), cache, num_logits=1)
+    base = cache.length
+    vocab = logits.shape[-1]
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        return probs_from_logits(process_logits(logits, params, EMPTY, EMPTY)).double()
+
+    p1 = probs(logits)[0]
+    m2 = torch.zeros(vocab, dtype=torch.float64)
+    m3 = torch.zeros(vocab, dtype=torch.float64)
+    children = torch.arange(vocab)
+    positions = torch.tensor([base] + [base + 1] * vocab)
+    mask = torch.zeros(vocab + 1, base + vocab + 1, dtype=torch.bool)
+    mask[:, : base + 1] = True  # prompt and x1
+    mask[1 + children, base + 1 + children] = True  # each second token sees itself
+    kept = (p1 > 1e-7).nonzero().flatten().tolist()
+    for x1 in kept:
+        cache.truncate(base)
+        tree, _ = model(
+            torch.cat([torch.tensor([x1]), children]), cache, positions=positions, mask=mask
+        )
+        p = probs(tree)  # row 0: p(x2 | x1); row 1 + x2: p(x3 | x1, x2)
+        m2 += p1[x1] * p[0]
+        m3 += p1[x1] * (p[0] @ p[1:])
+    return [p1, m2, m3], 1.0 - float(p1[kept].sum())
+
+
+def sample_outputs(
+    loaded: LoadedModel, drafter: Drafter | None, k: int, params: SamplingParams, runs: int
+) -> list[list[int]]:
+    engine = Engine(loaded.model, loaded.tokenizer)
+    prompt = loaded.tokenizer.encode(SAMPLE_PROMPT)
+    outs = []
+    for seed in range(runs):
+        p = dataclasses.replace(params, seed=seed)
+        outs.append([t for s in engine.generate(prompt, p, drafter, k) for t in s.token_ids])
+    return outs
+
+
+def chi2_z(counts: list[torch.Tensor], expected: torch.Tensor) -> float:
+    """Pearson chi-square of observed ``counts`` (one [V] histogram per sample) against
+    ``expected`` probabilities [V], as a z-score (stat - df) / sqrt(2 df): bins expecting fewer than
+    5 counts are pooled into one. One histogram: goodness of fit; two: homogeneity (pass the
+    pooled frequencies as ``expected``)."""
+    stat, bins = 0.0, 0
+    for obs in counts:
+        exp = obs.sum() * expected
+        big = exp >= 5
+        o = torch.cat([obs[big], obs[~big].sum().view(1)])
+        e = torch.cat([exp[big], exp[~big].sum().view(1)])
+        o, e = o[e > 0], e[e > 0]
+        stat += float(((o - e) ** 2 / e).sum())
+        bins = len(o)
+    df = bins - 1  # goodness of fit: bins - 1; homogeneity of two samples: (bins - 1) * (2 - 1)
+    return (stat - df) / math.sqrt(2 * max(df, 1))
+
+
+def histogram(samples: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(samples), minlength=vocab).double()
+
+
+def check_marginal(samples: list[int], exact: torch.Tensor, label: str) -> None:
+    """Samples of one output position follow ``exact``: never outside its support, and a
+    chi-square z-score below 5 (deterministic seeds; a real bias gives z of 7 and more here)."""
+    counts = histogram(samples, exact.numel())
+    outside = (counts > 0) & (exact == 0)
+    assert not outside.any(), (
+        f"{label}: sampled tokens the target excludes: {outside.nonzero().flatten().tolist()}"
+    )
+    z = chi2_z([counts], exact)
+    assert z < 5, f"{label}: chi-square z = {z:.1f} against the exact marginal"
+
+
+def check_two_sample(a: list[int], b: list[int], vocab: int, label: str) -> None:
+    """Plain and speculative samples of one position come from the same distribution."""
+    ca, cb = histogram(a, vocab), histogram(b, vocab)
+    z = chi2_z([ca, cb], (ca + cb) / (ca + cb).sum())
+    assert z < 5, f"{label}: chi-square homogeneity z = {z:.1f}"
+
+
+BASE = SamplingParams(max_tokens=SAMPLE_DEPTH + 1, temperature=1.0, ignore_eos=True)
+FILTERED = SamplingParams(
+    max_tokens=SAMPLE_DEPTH + 1, temperature=1.0, top_k=12, top_p=0.9, ignore_eos=True
+)
+
+
+@pytest.fixture(scope="module")
+def exact(sampler: LoadedModel) -> dict[str, tuple[list[torch.Tensor], float]]:
+    prompt = sampler.tokenizer.encode(SAMPLE_PROMPT)
+    return {
+        name: exact_marginals(sampler.model, prompt, params)
+        for name, params in (("base", BASE), ("filtered", FILTERED))
+    }
+
+
+@pytest.fixture(scope="module")
+def plain_samples(sampler: LoadedModel) -> list[list[int]]:
+    return sample_outputs(sampler, None, 0, BASE, SAMPLE_RUNS)
+
+
+def test_plain_sampling_follows_exact_marginals(
+    plain_samples: list[list[int]], exact: dict
+) -> None:
+    """The harness itself: plain sampling matches the enumerated distribution."""
+    marginals, lost = exact["base"]
+    assert lost < 1e-4
+    for i in range(SAMPLE_DEPTH):
+        check_marginal([o[i] for o in plain_samples], marginals[i], f"plain token {i}")
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "one_hot", "draft_model_filtered"])
+def test_speculative_sampling_follows_exact_marginals(
+    sampler: LoadedModel,
+    sampler_draft: LoadedModel,
+    exact: dict,
+    plain_samples: list[list[int]],
+    drafter_kind: str,
+) -> None:
+    """k=2 drafts for the 2nd and 3rd tokens (max_tokens=4): accepted, recovered and bonus paths."""
+    key = "filtered" if drafter_kind.endswith("filtered") else "base"
+    params = FILTERED if key == "filtered" else BASE
+    marginals, lost = exact[key]
+    assert lost < 1e-4
+    drafter: Drafter
+    if drafter_kind == "one_hot":  # the likeliest 2nd and 3rd tokens, proposed every step
+        drafter = ConstDrafter([int(marginals[1].argmax()), int(marginals[2].argmax())])
+    else:
+        drafter = DraftModelDrafter(sampler_draft.model, sampler.config.vocab_size)
+    outs = sample_outputs(sampler, drafter, 2, params, SAMPLE_RUNS)
+    assert all(len(o) == SAMPLE_DEPTH + 1 for o in outs)
+    for i in range(SAMPLE_DEPTH):
+        check_marginal([o[i] for o in outs], marginals[i], f"{drafter_kind} token {i}")
+        if key == "base":
+            plain = [o[i] for o in plain_samples]
+            check_two_sample(
+                [o[i] for o in outs],
+                plain,
+                sampler.config.vocab_size,
+                f"{drafter_kind} vs plain, token {i}",
+            )
+    if drafter_kind == "draft_model":
+        # The test has power: without verification the draft's own distribution would show.
+        q, _ = exact_marginals(sampler_draft.model, sampler.tokenizer.encode(SAMPLE_PROMPT), params)
+        for i in range(1, SAMPLE_DEPTH):
+            assert 0.5 * float((q[i] - marginals[i]).abs().sum()) > 0.3
+
+
+def test_seeded_speculative_sampling_reproduces(
+    sampler: LoadedModel, sampler_draft: LoadedModel
+) -> None:
+    prompt = sampler.tokenizer.encode(TINY_PROMPT)
+    params: dict[str, Any] = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    makers: list[Callable[[], Drafter]] = [
+        lambda: DraftModelDrafter(sampler_draft.model, sampler.config.vocab_size),
+        lambda: NGramDrafter(min_ngram=1),
+    ]
+    for make in makers:
+        first, again = (generate(sampler, prompt, make(), 3, seed=123, **params) for _ in range(2))
+        assert first.ids == again.ids and first.text == again.text
+        assert first.stats.drafted > 0
+        other = generate(sampler, prompt, make(), 3, seed=124, **params)
+        assert other.ids != first.ids
