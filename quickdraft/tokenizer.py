@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +31,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.loading.gguf_file import GGUFHeader
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
 _CONTROL = 3
@@ -567,7 +567,7 @@ def _read_gguf_metadata(path: Path) -> dict[str, Any]:
         raise QuickdraftError(f"GGUF file not found: {path}")
     try:
         with path.open("rb") as fh:
-            parsed = _GGUFHeader(fh).metadata(("tokenizer.", "general."))
+            parsed = GGUFHeader(fh).metadata(("tokenizer.", "general."))
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
         raise QuickdraftError(f"{path} is not a readable GGUF file ({exc}).") from exc
     return parsed if parsed is not None else _read_with_gguf_reader(path)
@@ -586,104 +586,6 @@ def _read_with_gguf_reader(path: Path) -> dict[str, Any]:
         for key, f in reader.fields.items()
         if key.startswith(("tokenizer.", "general."))
     }
-
-
-# GGUF scalar value types -> struct format (little-endian); 8 = string, 9 = array.
-_GGUF_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-
-
-class _GGUFHeader:
-    """A minimal reader of a GGUF v2/v3 key/value section (little-endian only)."""
-
-    def __init__(self, fh: Any) -> None:
-        self._fh = fh
-        self._size = os.fstat(fh.fileno()).st_size
-
-    def _read(self, n: int) -> bytes:
-        if n > self._size:  # a damaged length field; do not try to allocate it
-            raise ValueError(f"length {n} is larger than the file")
-        data = self._fh.read(n)
-        if len(data) != n:
-            raise ValueError("file ends inside the metadata")
-        return bytes(data)
-
-    def _unpack(self, fmt: str) -> Any:
-        return struct.unpack("<" + fmt, self._read(struct.calcsize(fmt)))[0]
-
-    def _string(self) -> str:
-        return self._read(self._unpack("Q")).decode("utf-8", errors="replace")
-
-    def metadata(self, prefixes: tuple[str, ...]) -> dict[str, Any] | None:
-        """Keys starting with ``prefixes``; None when the file needs the general reader."""
-        if self._read(4) != b"GGUF":
-            raise ValueError("no GGUF magic number")
-        if self._unpack("I") not in (2, 3):
-            return None
-        self._unpack("Q")  # tensor count
-        result: dict[str, Any] = {}
-        for _ in range(self._unpack("Q")):
-            key = self._string()
-            value = self._value(self._unpack("I"))
-            if key.startswith(prefixes):
-                result[key] = value
-        return result
-
-    def _value(self, kind: int) -> Any:
-        if kind == _GGUF_STRING:
-            return self._string()
-        if kind == _GGUF_ARRAY:
-            return self._array(self._unpack("I"), self._unpack("Q"))
-        if kind in _GGUF_SCALARS:
-            return self._unpack(_GGUF_SCALARS[kind])
-        raise ValueError(f"unknown GGUF value type {kind}")
-
-    def _array(self, kind: int, count: int) -> list[Any]:
-        if kind in _GGUF_SCALARS:
-            fmt = _GGUF_SCALARS[kind]
-            data = self._read(struct.calcsize(fmt) * count)
-            return list(struct.unpack(f"<{count}{fmt}", data))
-        if kind == _GGUF_STRING:
-            return self._string_array(count)
-        return [self._value(kind) for _ in range(count)]
-
-    def _string_array(self, count: int) -> list[str]:
-        """Strings are length-prefixed back to back; read them in one pass over one buffer."""
-        out: list[str] = []
-        buffer = b""
-        pos = 0
-        length = struct.Struct("<Q")
-        for _ in range(count):
-            if len(buffer) - pos < 8:
-                buffer = buffer[pos:] + self._fh.read(1 << 20)
-                pos = 0
-            (n,) = length.unpack_from(buffer, pos)
-            pos += 8
-            if n > self._size:
-                raise ValueError(f"string length {n} is larger than the file")
-            while len(buffer) - pos < n:
-                more = self._fh.read(max(1 << 20, n))
-                if not more:
-                    raise ValueError("file ends inside the metadata")
-                buffer = buffer[pos:] + more
-                pos = 0
-            out.append(buffer[pos : pos + n].decode("utf-8", errors="replace"))
-            pos += n
-        self._fh.seek(pos - len(buffer), 1)  # give back what was read ahead
-        return out
 
 
 def _byte_level_backend(

@@ -161,7 +161,7 @@ def test_gguf_without_tokenizer(tmp_path: Path) -> None:
 def test_gguf_missing_tensors(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "partial.gguf", "llama")  # token_embd only
     msg = error_of(load_model, str(path), dtype="float32")
-    assert_words(msg, "lacks", "tensors", "model.layers.0")
+    assert_words(msg, "lacks", "tensor", "model.layers.0")
 
 
 def test_gguf_unknown_tensor(tmp_path: Path) -> None:
@@ -247,7 +247,7 @@ def test_safetensors_missing_tensor(tiny_folder: Path, tmp_path: Path) -> None:
     folder = copy_folder(tiny_folder, tmp_path / "missing")
     _rewrite_weights(folder, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
     msg = error_of(load_model, str(folder), dtype="float32")
-    assert_words(msg, "lacks 1 tensors", "model.layers.1.mlp.down_proj.weight")
+    assert_words(msg, "lacks 1 tensor(s)", "model.layers.1.mlp.down_proj.weight")
 
 
 def test_safetensors_wrong_shape(tiny_folder: Path, tmp_path: Path) -> None:

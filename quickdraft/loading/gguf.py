@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.loading.gguf_file import GGUFFile
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -47,7 +48,7 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF file, turning parse failures into a clear error."""
     path = Path(path)
     if not path.is_file():
@@ -57,22 +58,16 @@ def open_gguf(path: str | Path) -> GGUFReader:
     if magic != b"GGUF":
         raise QuickdraftError(f"{path} is not a GGUF file (bad magic {magic!r}); pass a .gguf file or a model folder")
     try:
-        return GGUFReader(path)
-    except Exception as exc:  # the parser raises ValueError, IndexError, struct errors ... on damage
+        return GGUFFile(path)
+    except Exception as exc:  # ValueError, struct errors, unknown enum values ... on damage
         raise QuickdraftError(
             f"{path} is damaged or truncated ({type(exc).__name__}: {exc}); delete it and fetch it again"
         ) from None
 
 
-def metadata(reader: GGUFReader) -> dict[str, Any]:
+def metadata(reader: GGUFFile) -> dict[str, Any]:
     """All key/value metadata as plain Python values."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        out[key] = value
-    return out
+    return dict(reader.metadata)
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -112,7 +107,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     )
 
 
-def rope_freq_factors(reader: GGUFReader) -> list[float] | None:
+def rope_freq_factors(reader: GGUFFile) -> list[float] | None:
     """Llama 3.1+ GGUFs keep their RoPE scaling as per-frequency divisors in ``rope_freqs.weight``."""
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -158,7 +153,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 
 
 def iter_tensors(
-    reader: GGUFReader, cfg: ModelConfig, keep_quantized: bool = False
+    reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor in HF layout: float32, or with
     ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
