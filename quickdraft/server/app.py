@@ -1,0 +1,568 @@
+"""The OpenAI-compatible HTTP API over one :class:`~quickdraft.api.LLM`: FastAPI routes, SSE, errors.
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events,
+``data: {...}\\n\\n`` chunks then ``data: [DONE]\\n\\n``, or whole), GET /v1/models, /health and
+/metrics (Prometheus). Requests are checked here, before they queue (model name, fields, prompt
+and max_tokens against the context, the JSON schema); every failure is an OpenAI error object with
+a 4xx status, and the server keeps serving. Generation runs on the :class:`EngineWorker` thread;
+a client that disconnects cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from quickdraft import __version__
+from quickdraft.constraints import Constraint
+from quickdraft.engine import RequestStats, StepOutput
+from quickdraft.engine import TokenLogprob as EngineLogprob
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.server import protocol as p
+from quickdraft.server.grammar import GrammarCompiler
+from quickdraft.server.metrics import ServerMetrics
+from quickdraft.server.protocol import ApiError, error_body
+from quickdraft.server.worker import EngineWorker, Job
+
+if TYPE_CHECKING:
+    from quickdraft.api import LLM
+
+log = logging.getLogger("quickdraft.server")
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
+FINGERPRINT = f"quickdraft-{__version__}"
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class _Server:
+    """What the routes share: the model, its queue, metrics and grammar compiler."""
+
+    llm: LLM
+    name: str
+    worker: EngineWorker
+    metrics: ServerMetrics
+    grammar: GrammarCompiler
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context(self) -> int:
+        return self.llm.engine.cache.max_len
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    constraint: Constraint | None
+
+
+def create_app(llm: LLM, served_name: str, api_key: str | None = None) -> FastAPI:
+    """The app serving ``llm`` as model ``served_name``; with ``api_key``, every route but
+    /health needs ``Authorization: Bearer <api_key>``."""
+    metrics = ServerMetrics()
+    worker = EngineWorker(llm.engine, llm.drafter, llm.num_draft, metrics)
+    server = _Server(llm, served_name, worker, metrics, GrammarCompiler(llm.tokenizer))
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        await asyncio.to_thread(lambda: server.grammar.ll_tokenizer)  # ~0.2 s, off the loop
+        yield
+        worker.stop()
+
+    app = FastAPI(
+        title="quickdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    _add_routes(app, server)
+    app.state.worker = worker  # for the CLI: end streams at once when asked to shut down
+    return app
+
+
+# ----------------------------------------------------------------------------- errors and auth
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _error_response(exc)
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
+
+    async def validation_error(_request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    async def internal_error(_request: Request, exc: Exception) -> Response:
+        log.error("internal error", exc_info=exc)
+        body = error_body(f"internal server error ({type(exc).__name__})", "server_error")
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+class _ApiKeyMiddleware:
+    """Every HTTP route but /health needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                err = ApiError(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key",
+                )
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_json(request: Request) -> Any:
+    """The body as JSON, refusing more than MAX_BODY_BYTES (413) and malformed JSON (400)."""
+    declared = request.headers.get("content-length", "")
+    too_big = ApiError(
+        413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+    )
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        parts.append(part)
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------- routes
+
+
+def _add_routes(app: FastAPI, server: _Server) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return p.ModelList(data=[_card(server)]).model_dump()
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict[str, Any]:
+        server.check_model(model)
+        return _card(server).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = p.parse_request(p.ChatCompletionRequest, await _read_json(request))
+        server.check_model(req.model)
+        prepared = await asyncio.to_thread(_prepare_chat, server, req)
+        job = _submit(server, prepared)
+        if req.stream:
+            return _sse(_chat_events(server, job, req.include_usage()))
+        steps = await _collect(request, job)
+        return JSONResponse(_chat_response(server, steps).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = p.parse_request(p.CompletionRequest, await _read_json(request))
+        server.check_model(req.model)
+        prepared = await asyncio.to_thread(_prepare_completion, server, req)
+        echo = server.llm.tokenizer.decode(prepared.prompt_ids) if req.echo else ""
+        job = _submit(server, prepared)
+        if req.stream:
+            return _sse(_completion_events(server, job, echo, req.include_usage()))
+        steps = await _collect(request, job)
+        return JSONResponse(_completion_response(server, steps, echo).model_dump())
+
+
+def _card(server: _Server) -> p.ModelCard:
+    return p.ModelCard(id=server.name, created=server.created, max_model_len=server.context)
+
+
+def _submit(server: _Server, prepared: _Prepared) -> Job:
+    if server.worker.is_full():
+        raise ApiError(
+            429, "the server is busy: too many requests are waiting", kind="rate_limit_error"
+        )
+    return server.worker.submit(prepared.prompt_ids, prepared.params, prepared.constraint)
+
+
+# ------------------------------------------------------------------------ request -> engine inputs
+
+
+def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
+    req.check_supported()
+    messages = [m.to_template() for m in req.messages]
+    try:
+        ids = server.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # type: ignore[arg-type]
+    except QuickdraftError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    max_tokens = _max_tokens(server, len(ids), req.requested_max_tokens(), "messages")
+    return _Prepared(
+        ids, req.sampling_params(max_tokens, req.engine_logprobs()), _constraint(server, req)
+    )
+
+
+def _prepare_completion(server: _Server, req: p.CompletionRequest) -> _Prepared:
+    req.check_supported()
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        ids = server.llm.tokenizer.encode(prompt)
+    else:
+        vocab = server.llm.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        ids = prompt
+    max_tokens = _max_tokens(
+        server, len(ids), 16 if req.max_tokens is None else req.max_tokens, "prompt"
+    )
+    return _Prepared(ids, req.sampling_params(max_tokens, req.logprobs), _constraint(server, req))
+
+
+def _max_tokens(server: _Server, n_prompt: int, asked: int | None, where: str) -> int:
+    """``asked`` (None = all the context left), refused when the prompt and it do not fit."""
+    ctx = server.context
+    if n_prompt == 0:
+        raise ApiError(400, "the prompt is empty; give at least one token of input", param=where)
+    if n_prompt >= ctx or (asked is not None and n_prompt + asked > ctx):
+        wanted = f", {asked} in the completion" if asked is not None else ""
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{n_prompt + (asked or 0)} tokens ({n_prompt} in the {where}{wanted}). "
+            f"Please reduce the length of the {where} or max_tokens.",
+            param="max_tokens" if n_prompt < ctx else where,
+            code="context_length_exceeded",
+        )
+    return ctx - n_prompt if asked is None else asked
+
+
+def _constraint(
+    server: _Server, req: p.ChatCompletionRequest | p.CompletionRequest
+) -> Constraint | None:
+    structured, schema = req.json_schema()
+    if not structured:
+        return None
+    try:
+        return server.grammar.json(schema)
+    except QuickdraftError as exc:
+        raise ApiError(400, str(exc), param="response_format") from None
+
+
+# ------------------------------------------------------------------------------ engine -> clients
+
+
+async def _collect(request: Request, job: Job) -> list[StepOutput]:
+    """All steps of a job, cancelling it if the client disconnects first."""
+
+    async def gather() -> list[StepOutput]:
+        return [step async for step in job.steps()]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result = asyncio.ensure_future(gather())
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not result.done():
+            raise ApiError(499, "the client closed the request")  # nobody reads this
+        steps = _engine_result(result)
+    finally:
+        gone.cancel()
+        result.cancel()
+        job.cancel()  # a no-op once finished
+    return steps
+
+
+def _engine_result(task: asyncio.Future[list[StepOutput]]) -> list[StepOutput]:
+    try:
+        steps = task.result()
+    except QuickdraftError as exc:
+        raise ApiError(400, str(exc)) from None
+    if not steps or steps[-1].finish_reason is None:
+        raise ApiError(503, "the server is shutting down", kind="server_error")
+    return steps
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+def _event(obj: BaseModel | dict[str, Any], usage_key: bool = True) -> str:
+    """One SSE event. OpenAI's chunks carry a ``usage`` key only under include_usage (null
+    until the last); ours also put usage on the chunk that finishes the choice."""
+    if isinstance(obj, BaseModel):
+        data = obj.model_dump_json(exclude=None if usage_key else {"usage"})
+    else:
+        data = json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+async def _guarded(job: Job, events: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
+    """Stream ``events``; an error mid-stream becomes an error event; leaving cancels the job.
+
+    A client disconnect cancels this generator at its ``await`` (Starlette watches for
+    ``http.disconnect``), so the ``finally`` stops the generation right away.
+    """
+    try:
+        async for event in events():
+            yield event
+    except QuickdraftError as exc:
+        yield _event(error_body(str(exc)))
+        yield _DONE
+    except Exception as exc:
+        log.error("stream failed", exc_info=exc)
+        yield _event(error_body(f"internal server error ({type(exc).__name__})", "server_error"))
+        yield _DONE
+    finally:
+        job.cancel()
+
+
+def _ids() -> tuple[str, int]:
+    return uuid.uuid4().hex, int(time.time())
+
+
+def _chat_events(server: _Server, job: Job, include_usage: bool) -> AsyncIterator[str]:
+    rid, created = _ids()
+
+    def chunk(
+        delta: p.Delta | None,
+        logprobs: p.ChatLogprobs | None = None,
+        finish: str | None = None,
+        usage: p.Usage | None = None,
+    ) -> str:
+        choices = (
+            []
+            if delta is None
+            else [p.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)]
+        )
+        return _event(
+            p.ChatCompletionChunk(
+                id=f"chatcmpl-{rid}",
+                created=created,
+                model=server.name,
+                system_fingerprint=FINGERPRINT,
+                choices=choices,
+                usage=usage,
+            ),
+            usage_key=include_usage or usage is not None,
+        )
+
+    async def events() -> AsyncIterator[str]:
+        yield chunk(p.Delta(role="assistant", content=""))
+        last = None
+        async for step in job.steps():
+            last = step
+            if step.text or step.logprobs:
+                yield chunk(
+                    p.Delta(content=step.text), logprobs=_chat_logprobs(server, step.logprobs)
+                )
+        if last is None or last.finish_reason is None:
+            raise QuickdraftError("the generation was cut short (the server is shutting down)")
+        usage = _usage(last.stats)
+        yield chunk(p.Delta(), finish=last.finish_reason, usage=usage)
+        if include_usage:
+            yield chunk(None, usage=usage)  # OpenAI's stream_options.include_usage chunk
+        yield _DONE
+
+    return _guarded(job, events)
+
+
+def _completion_events(
+    server: _Server, job: Job, echo: str, include_usage: bool
+) -> AsyncIterator[str]:
+    rid, created = _ids()
+
+    def chunk(
+        text: str,
+        logprobs: p.CompletionLogprobs | None = None,
+        finish: str | None = None,
+        usage: p.Usage | None = None,
+        choices: bool = True,
+    ) -> str:
+        choice = p.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)
+        return _event(
+            p.Completion(
+                id=f"cmpl-{rid}",
+                created=created,
+                model=server.name,
+                system_fingerprint=FINGERPRINT,
+                choices=[choice] if choices else [],
+                usage=usage,
+            ),
+            usage_key=include_usage or usage is not None,
+        )
+
+    async def events() -> AsyncIterator[str]:
+        offset = len(echo)
+        if echo:
+            yield chunk(echo)
+        last = None
+        async for step in job.steps():
+            last = step
+            if step.text or step.logprobs:
+                yield chunk(step.text, _completion_logprobs(server, step.logprobs, offset))
+            offset += len(step.text)
+        if last is None or last.finish_reason is None:
+            raise QuickdraftError("the generation was cut short (the server is shutting down)")
+        usage = _usage(last.stats)
+        yield chunk("", finish=last.finish_reason, usage=usage)
+        if include_usage:
+            yield chunk("", usage=usage, choices=False)
+        yield _DONE
+
+    return _guarded(job, events)
+
+
+def _chat_response(server: _Server, steps: list[StepOutput]) -> p.ChatCompletion:
+    rid, created = _ids()
+    last = steps[-1]
+    logprobs = _chat_logprobs(server, _all_logprobs(steps))
+    message = p.ChatMessageOut(content="".join(s.text for s in steps))
+    return p.ChatCompletion(
+        id=f"chatcmpl-{rid}",
+        created=created,
+        model=server.name,
+        system_fingerprint=FINGERPRINT,
+        choices=[
+            p.ChatChoice(message=message, logprobs=logprobs, finish_reason=last.finish_reason)
+        ],
+        usage=_usage(last.stats),
+    )
+
+
+def _completion_response(server: _Server, steps: list[StepOutput], echo: str) -> p.Completion:
+    rid, created = _ids()
+    last = steps[-1]
+    logprobs = _completion_logprobs(server, _all_logprobs(steps), len(echo))
+    text = echo + "".join(s.text for s in steps)
+    choice = p.CompletionChoice(text=text, logprobs=logprobs, finish_reason=last.finish_reason)
+    return p.Completion(
+        id=f"cmpl-{rid}",
+        created=created,
+        model=server.name,
+        system_fingerprint=FINGERPRINT,
+        choices=[choice],
+        usage=_usage(last.stats),
+    )
+
+
+def _usage(stats: RequestStats) -> p.Usage:
+    spec = p.SpecUsage(
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        tau=stats.tau,
+        tokens_per_second=stats.tokens_per_second,
+    )
+    return p.Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.output_tokens,
+        total_tokens=stats.prompt_tokens + stats.output_tokens,
+        quickdraft=spec,
+    )
+
+
+# -------------------------------------------------------------------------------------- logprobs
+
+
+def _all_logprobs(steps: list[StepOutput]) -> list[EngineLogprob] | None:
+    if steps[0].logprobs is None:
+        return None
+    return [lp for s in steps for lp in s.logprobs or []]
+
+
+def _token_text(server: _Server, token: int) -> tuple[str, bytes]:
+    return server.grammar.token_text(token)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= _LOGPROB_FLOOR else _LOGPROB_FLOOR  # also maps NaN to the floor
+
+
+def _chat_logprobs(server: _Server, lps: list[EngineLogprob] | None) -> p.ChatLogprobs | None:
+    if lps is None:
+        return None
+
+    def top(token: int, logprob: float) -> p.TopLogprob:
+        text, raw = _token_text(server, token)
+        return p.TopLogprob(token=text, logprob=_finite(logprob), bytes=list(raw))
+
+    content = [
+        p.TokenLogprob(
+            **top(lp.token, lp.logprob).model_dump(), top_logprobs=[top(t, v) for t, v in lp.top]
+        )
+        for lp in lps
+    ]
+    return p.ChatLogprobs(content=content)
+
+
+def _completion_logprobs(
+    server: _Server, lps: list[EngineLogprob] | None, offset: int
+) -> p.CompletionLogprobs | None:
+    if lps is None:
+        return None
+    out = p.CompletionLogprobs()
+    for lp in lps:
+        text = _token_text(server, lp.token)[0]
+        out.tokens.append(text)
+        out.token_logprobs.append(_finite(lp.logprob))
+        out.top_logprobs.append({_token_text(server, t)[0]: _finite(v) for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,354 @@
+"""OpenAI-compatible request and response schemas (OpenAI's field names).
+
+Requests tolerate fields they do not know (clients send vendor extras); the extras quickdraft
+understands follow vLLM: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``. Anything invalid becomes an :class:`ApiError`, which the app turns into
+OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error to send to the client as an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(model: type[M], data: Any) -> M:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
+
+
+# ------------------------------------------------------------------------------------ requests
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _GenerationRequest(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)  # None = OpenAI's default, 1
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = 1
+    best_of: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise ApiError(
+                400,
+                f"n must be 1: quickdraft generates one choice per request (got {self.n})",
+                param="n",
+            )
+        if self.best_of not in (None, 1):
+            raise ApiError(400, f"best_of must be 1 (got {self.best_of})", param="best_of")
+        fmt = self.response_format
+        if (
+            fmt is not None
+            and fmt.type == "json_schema"
+            and (fmt.json_schema is None or fmt.json_schema.schema_ is None)
+        ):
+            raise ApiError(
+                400, "response_format json_schema needs json_schema.schema", param="response_format"
+            )
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def json_schema(self) -> tuple[bool, dict[str, Any] | None]:
+        """(structured output asked, its schema: None = any JSON object)."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return False, None
+        if fmt.type == "json_object":
+            return True, None
+        assert fmt.json_schema is not None
+        return True, fmt.json_schema.schema_
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=self.top_k or 0,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                min_p=self.min_p or 0.0,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except QuickdraftError as exc:
+            raise ApiError(400, str(exc)) from None
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, str]:
+        """The message as chat templates expect it: role and plain-text content."""
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name
+        if isinstance(self.content, list):
+            if any(p.type != "text" or p.text is None for p in self.content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            content = "".join(p.text or "" for p in self.content)
+        else:
+            content = self.content or ""
+        out = {"role": role, "content": content}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def engine_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids) of this request; batches are refused."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and all(isinstance(x, int) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if len(p) != 1:
+            raise ApiError(400, "give exactly one prompt per request", param="prompt")
+        return p[0]  # type: ignore[return-value]
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(
+                400, "echo with logprobs (prompt logprobs) is not supported", param="echo"
+            )
+
+
+# ----------------------------------------------------------------------------------- responses
+
+
+class SpecUsage(BaseModel):
+    """quickdraft's extra usage field: what speculation did for this request."""
+
+    drafted: int
+    accepted: int
+    tau: float
+    tokens_per_second: float
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    quickdraft: SpecUsage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI omits them
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """A text completion, or (``usage`` None until the last) one chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "quickdraft"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,497 @@
+"""quickdraft serve end to end: real server processes on loopback, the real ``openai`` client.
+
+Two servers of SmolLM2-135M (fp32, the exact mode) run for the whole module: one speculates
+(``--draft ngram``), one does not and needs an API key. Greedy outputs of the two must be equal
+(speculation is lossless), structured output included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from quickdraft.cli.main import main
+from quickdraft.errors import QuickdraftError
+from quickdraft.server.grammar import GrammarCompiler
+from quickdraft.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+NAME = "smollm2"
+KEY = "test-key-123"
+CONTEXT = 512
+HAIKU = [{"role": "user", "content": "Write a haiku about the sea."}]
+FIB = "def fibonacci(n):"
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 20},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str  # .../v1
+    log: list[str]
+
+    @property
+    def root(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.root}/metrics", headers=_auth(KEY)).text
+        found = re.search(rf"^{name} (\S+)$", text, re.M)
+        assert found, f"{name} not in /metrics"
+        return float(found.group(1))
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _start(model: Path, *extra: str) -> Server:
+    cmd = [
+        sys.executable,
+        "-m",
+        "quickdraft",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        NAME,
+        "--dtype",
+        "float32",
+        "--max-context",
+        str(CONTEXT),
+        "--threads",
+        "1",
+        "--port",
+        "0",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            found = re.search(r"serving \S+ at (http://\S+/v1)", line)
+            if found:
+                url.append(found.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(120)
+    assert url, "the server did not start:\n" + "".join(log)
+    return Server(proc, url[0], log)
+
+
+def _stop(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_gguf: Path) -> Iterator[tuple[Server, Server]]:
+    spec = _start(smollm2_gguf, "--draft", "ngram", "--num-draft", "4")
+    plain = _start(smollm2_gguf, "--draft", "none", "--api-key", KEY)
+    for s in (spec, plain):
+        deadline = time.time() + 60
+        while httpx.get(f"{s.root}/health", timeout=60).status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    yield spec, plain
+    for s in (spec, plain):
+        _stop(s)
+        assert "Traceback" not in "".join(s.log), "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def spec(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def plain(servers: tuple[Server, Server]) -> Server:
+    return servers[1]
+
+
+def _chat(server: Server, key: str = "unused", **kw: Any) -> Any:
+    args: dict[str, Any] = {
+        "model": NAME,
+        "messages": HAIKU,
+        "max_tokens": 12,
+        "temperature": 0,
+        **kw,
+    }
+    return server.client(key).chat.completions.create(**args)
+
+
+# ------------------------------------------------------------------------------------ routes
+
+
+def test_models_health_and_metrics(spec: Server) -> None:
+    assert [m.id for m in spec.client().models.list().data] == [NAME]
+    assert httpx.get(f"{spec.root}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{spec.root}/metrics").text
+    for name in (
+        "quickdraft_time_to_first_token_seconds_bucket",
+        "quickdraft_inter_token_latency_seconds_bucket",
+        "quickdraft_e2e_request_latency_seconds_bucket",
+        "quickdraft_spec_drafted_tokens_total",
+        "quickdraft_spec_accepted_tokens_total",
+        "quickdraft_spec_tau",
+    ):
+        assert name in text
+
+
+def test_chat_stream_equals_whole_and_has_usage(spec: Server) -> None:
+    whole = _chat(spec)
+    content = whole.choices[0].message.content
+    assert content and whole.choices[0].finish_reason in ("stop", "length")
+    usage = whole.usage
+    assert (
+        usage.completion_tokens <= 12
+        and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    )
+    extra = usage.model_extra["quickdraft"]
+    assert set(extra) == {"drafted", "accepted", "tau", "tokens_per_second"} and extra["tau"] >= 1
+
+    chunks = list(_chat(spec, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
+    )
+
+    # The wire format itself: data lines, then [DONE]; usage on the finishing chunk only.
+    body = {"model": NAME, "messages": HAIKU, "max_tokens": 3, "temperature": 0, "stream": True}
+    resp = httpx.post(f"{spec.url}/chat/completions", json=body, timeout=60)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = resp.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    objs = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(o["object"] == "chat.completion.chunk" and "usage" not in o for o in objs[:-1])
+    assert (
+        objs[-1]["choices"][0]["finish_reason"] == "length"
+        and objs[-1]["usage"]["completion_tokens"] == 3
+    )
+
+
+def test_completions_stream_logprobs_and_stop(spec: Server) -> None:
+    client = spec.client()
+    whole = client.completions.create(
+        model=NAME, prompt=FIB, max_tokens=12, temperature=0, logprobs=2
+    )
+    text = whole.choices[0].text
+    lp = whole.choices[0].logprobs
+    assert (
+        len(lp.tokens)
+        == whole.usage.completion_tokens
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+    )
+    assert "".join(lp.tokens) == text and lp.text_offset[0] == 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and chosen == pytest.approx(
+            max(top.values()), abs=1e-5
+        )  # greedy = argmax
+
+    streamed = client.completions.create(
+        model=NAME, prompt=FIB, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+    cut = text.index("return") if "return" in text else len(text) // 2
+    word = text[cut : cut + 6]
+    stopped = client.completions.create(
+        model=NAME, prompt=FIB, max_tokens=12, temperature=0, stop=[word]
+    )
+    assert stopped.choices[0].text == text[:cut] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs_cover_every_token_with_speculation(spec: Server, plain: Server) -> None:
+    messages = [
+        {"role": "user", "content": "Repeat this line three times: one two three four five six"}
+    ]
+    kw: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": 40,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    fast, slow = _chat(spec, **kw), _chat(plain, KEY, **kw)
+    assert fast.usage.model_extra["quickdraft"]["accepted"] > 0  # drafts were accepted
+    assert fast.choices[0].message.content == slow.choices[0].message.content
+    tokens, reference = fast.choices[0].logprobs.content, slow.choices[0].logprobs.content
+    assert len(tokens) == fast.usage.completion_tokens == len(reference)
+    for got, want in zip(tokens, reference, strict=True):
+        assert got.token == want.token and bytes(got.bytes) == bytes(want.bytes)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+        assert len(got.top_logprobs) == 3 and got.logprob == pytest.approx(
+            got.top_logprobs[0].logprob, abs=1e-5
+        )
+
+
+def test_seeds_and_sampling_knobs(spec: Server) -> None:
+    kw: dict[str, Any] = {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 7,
+        "max_tokens": 10,
+        "presence_penalty": 0.3,
+        "frequency_penalty": 0.2,
+        "extra_body": {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1},
+    }
+    first, again = _chat(spec, **kw), _chat(spec, **kw)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    others = {_chat(spec, **{**kw, "seed": s}).choices[0].message.content for s in (8, 9)}
+    assert others != {first.choices[0].message.content}
+
+
+# -------------------------------------------------------------------------- structured output
+
+
+def _check_person(text: str) -> dict[str, Any]:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "city"}
+    assert isinstance(obj["name"], str) and isinstance(obj["city"], str) and len(obj["name"]) <= 20
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
+    return obj
+
+
+def test_structured_output_is_valid_and_lossless(spec: Server, plain: Server) -> None:
+    # The n-gram drafter copies from the prompt, "job" included, which the schema forbids: those
+    # drafts must be rejected, and the output must equal plain decoding's.
+    source = '{"name": "Ada Lovelace", "age": 36, "city": "London", "job": "mathematician"}'
+    messages = [{"role": "user", "content": f"Copy this JSON exactly: {source}"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}
+    kw: dict[str, Any] = {"messages": messages, "max_tokens": 48, "response_format": fmt}
+    fast, slow = _chat(spec, **kw), _chat(plain, KEY, **kw)
+    assert fast.choices[0].finish_reason == "stop"  # ended by EOS once the object closed
+    text = fast.choices[0].message.content
+    assert _check_person(text)["city"] == "London"
+    assert text == slow.choices[0].message.content
+    assert fast.usage.model_extra["quickdraft"]["accepted"] > 0
+    free = _chat(spec, messages=messages, max_tokens=48).choices[0].message.content
+    assert '"job"' in free  # without the grammar the model copies the forbidden key
+
+    describe = [{"role": "user", "content": "Describe a person as JSON with name, age and city."}]
+    streamed = _chat(spec, stream=True, **{**kw, "messages": describe})
+    assert _check_person("".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
+    any_object = _chat(
+        spec, messages=describe, max_tokens=48, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
+
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}
+    with pytest.raises(openai.BadRequestError):
+        _chat(spec, messages=messages, response_format=bad)
+
+
+def test_constraint_rows_follow_the_draft_prefix(smollm2_gguf: Path) -> None:
+    """allowed(draft) row i = the mask after draft[:i]; a forbidden draft token ends the walk
+    without disturbing the state; EOS is allowed exactly when the object is complete."""
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf)
+    compiler = GrammarCompiler(tokenizer)
+    vocab = tokenizer.vocab_size
+    eos = sorted(tokenizer.eos_ids)
+    ids = tokenizer.encode('{"name": "Bo", "age": 3, "city": "Rome"}', add_special_tokens=False)
+    forbidden = tokenizer.encode("x", add_special_tokens=False)[0]
+
+    constraint = compiler.json(PERSON_SCHEMA)
+    draft = [*ids[:3], forbidden, *ids[3:5]]
+    rows = constraint.allowed(draft, vocab)
+    assert rows.shape == (len(draft) + 1, vocab)
+    for i in range(4):
+        step = compiler.json(PERSON_SCHEMA)
+        step.commit(draft[:i])
+        assert torch.equal(rows[i], step.allowed([], vocab)[0])
+        assert not rows[i, eos].any()
+    assert not rows[3, forbidden] and all(
+        torch.equal(rows[j], rows[3]) for j in range(4, len(draft) + 1)
+    )
+    assert torch.equal(constraint.allowed([], vocab)[0], rows[0])  # the walk was rolled back
+
+    constraint.commit(ids)
+    done = constraint.allowed([], vocab)[0]
+    assert constraint.is_finished() and done.nonzero().flatten().tolist() == eos
+    with pytest.raises(QuickdraftError):
+        compiler.json({"type": "frob"})
+
+
+# ------------------------------------------------------------------------------ auth and errors
+
+
+def test_api_key(plain: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _chat(plain, max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        _chat(plain, "wrong", max_tokens=1)
+    assert httpx.get(f"{plain.root}/metrics").status_code == 401
+    assert httpx.get(f"{plain.root}/health").status_code == 200
+    assert _chat(plain, KEY, max_tokens=1).choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b'{"model": "smollm2", "messages": [', 400, "not valid JSON"),
+        ({"model": "gpt-9", "messages": HAIKU}, 404, "gpt-9"),
+        ({"model": NAME}, 400, "messages"),
+        ({"model": NAME, "messages": []}, 400, "messages"),
+        ({"model": NAME, "messages": HAIKU, "max_tokens": CONTEXT}, 400, "maximum context length"),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": "hi " * CONTEXT}]},
+            400,
+            "maximum context length",
+        ),
+        ({"model": NAME, "messages": HAIKU, "temperature": -1}, 400, "temperature"),
+        ({"model": NAME, "messages": HAIKU, "n": 2}, 400, "n must be 1"),
+        ({"model": NAME, "messages": HAIKU, "top_k": -5}, 400, "top_k"),
+        ({"model": NAME, "prompt": [10**9]}, 400, "token ids"),
+        ({"model": NAME, "messages": HAIKU, "padding": "x" * (1 << 20)}, 413, "larger than"),
+    ],
+)
+def test_bad_requests_get_openai_errors(spec: Server, body: Any, status: int, needle: str) -> None:
+    route = "completions" if isinstance(body, dict) and "prompt" in body else "chat/completions"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(
+        f"{spec.url}/{route}",
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and needle in error["message"]
+
+
+def test_errors_through_the_client_and_server_keeps_serving(spec: Server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        _chat(spec, model="nope")
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        _chat(spec, n=3)
+    assert httpx.get(f"{spec.root}/v1/nothing").json()["error"]["code"] == "not_found"
+    assert _chat(spec, max_tokens=2).choices[0].message.content
+
+
+# ----------------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_streams_equal_their_solo_runs(spec: Server) -> None:
+    subjects = ["cats", "rain", "trains", "bread", "mountains", "coffee", "stars", "rivers"]
+    prompts = [[{"role": "user", "content": f"One sentence about {s}."}] for s in subjects]
+    solo = [_chat(spec, messages=m, max_tokens=8).choices[0].message.content for m in prompts]
+    results: list[str | None] = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        client = spec.client()
+        barrier.wait()
+        stream = client.chat.completions.create(
+            model=NAME, messages=prompts[i], max_tokens=8, temperature=0, stream=True
+        )
+        results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == solo
+
+
+def test_client_disconnect_stops_generation(spec: Server) -> None:
+    before = spec.metric("quickdraft_generation_tokens_total")
+    cancelled = spec.metric("quickdraft_requests_cancelled_total")
+    body = {
+        "model": NAME,
+        "messages": HAIKU,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{spec.url}/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        seen = 0
+        while seen < 2:
+            seen += next(lines).startswith("data: {")
+    deadline = time.time() + 20
+    while spec.metric("quickdraft_requests_cancelled_total") == cancelled:
+        assert time.time() < deadline, "the generation went on after the client left"
+        time.sleep(0.1)
+    t0 = time.perf_counter()
+    assert _chat(spec, max_tokens=2).choices[0].message.content
+    assert time.perf_counter() - t0 < 10
+    assert spec.metric("quickdraft_generation_tokens_total") - before < 100  # far from 400
+
+
+# ------------------------------------------------------------------------------------- benchmark
+
+
+def test_bench_against_the_server(spec: Server, smollm2_gguf: Path, tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Name three colors."}) + "\n")
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "--endpoint",
+            spec.root,
+            "--served-model",
+            NAME,
+            "--model",
+            str(smollm2_gguf),
+            "--dataset",
+            str(data),
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    (record,) = report["records"]
+    assert record["output_tokens"] == 8 and record["finish_reason"] == "length"
+    assert record["ttft"] > 0 and record["tokens_per_second"] > 0
