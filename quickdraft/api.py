@@ -52,7 +52,7 @@ class LLM:
         *,
         draft: str = "auto",
         num_draft: int | None = None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_context: int | None = None,
         threads: int | None = None,
         log: Callable[[str], None] = lambda _msg: None,

@@ -20,8 +20,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help="zoo name (quickdraft models list), .gguf file, Hugging Face folder or hub id "
                         f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                   help="compute dtype; float32 is the exact reference mode (default: bfloat16)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto (default): GGUF weights stay in their quantized blocks, computed by the CPU "
+                        "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     g = p.add_argument_group("speculative decoding (lossless)")

@@ -8,6 +8,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +20,14 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading import gguf as gguf_io
 from quickdraft.loading import safetensors as st_io
+from quickdraft.loading.gguf import QuantTensor
 from quickdraft.loading.weights import load_weights
 from quickdraft.models import build_model
 from quickdraft.models.llama import CausalLM
 from quickdraft.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
 DEFAULT_MAX_CONTEXT = 8192
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -72,18 +75,26 @@ def _hub_download(repo_id: str) -> Path:
 
 
 def load_model(
-    spec: str, dtype: str = "bfloat16", device: str = "cpu", max_context: int | None = None
+    spec: str, dtype: str = "auto", device: str = "cpu", max_context: int | None = None
 ) -> LoadedModel:
-    """Load weights, config and tokenizer. ``dtype="float32"`` is the exact mode used by tests."""
-    if dtype not in DTYPES:
-        raise QuickdraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    """Load weights, config and tokenizer.
+
+    dtype "auto": a GGUF model keeps its quantized blocks (computed on by the CPU kernels, fp32
+    activations) where the kernels are available, else bfloat16; "float32" is the exact
+    reference mode used by tests; "bfloat16" / "float16" dequantize into that dtype.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise QuickdraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     t0 = time.perf_counter()
     path = resolve(spec)
+    quantized = dtype == "auto" and path.is_file() and _kernels_available(device)
+    dtype = "float32" if quantized else ("bfloat16" if dtype == "auto" else dtype)
+    tensors: Iterator[tuple[str, torch.Tensor | QuantTensor]]
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = st_io.iter_tensors(path)
-    elif _is_zoo_file(path) and (converted := converted_path(path, dtype)).is_file():
+    elif not quantized and _is_zoo_file(path) and (converted := converted_path(path, dtype)).is_file():
         cfg = converted_config(converted)
         tokenizer = Tokenizer.from_gguf(path)
         tensors = st_io.iter_file(converted)
@@ -94,7 +105,7 @@ def load_model(
         if (factors := gguf_io.rope_freq_factors(reader)) is not None:
             cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors})
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-        tensors = gguf_io.iter_tensors(reader, cfg)
+        tensors = gguf_io.iter_tensors(reader, cfg, keep_quantized=quantized)
     max_len = _context_length(cfg, max_context)
     with torch.device("meta"):
         model = build_model(cfg, max_len)
@@ -102,9 +113,17 @@ def load_model(
     model.materialize(device, DTYPES[dtype])
     load_weights(model, tensors, tied=cfg.tie_word_embeddings)
     model.eval()
-    if _is_zoo_file(path) and not converted_path(path, dtype).is_file():
+    if not quantized and _is_zoo_file(path) and not converted_path(path, dtype).is_file():
         save_converted(model, cfg, converted_path(path, dtype))
     return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - t0)
+
+
+def _kernels_available(device: str) -> bool:
+    if torch.device(device).type != "cpu":
+        return False
+    from quickdraft.quant.ggml import kernels_available
+
+    return kernels_available()
 
 
 def _is_zoo_file(path: Path) -> bool:

@@ -1,0 +1,145 @@
+"""Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
+
+``load()`` builds ``ggml_cpu.cpp`` (+ ``ggml_cpu.h``) once per source version into torch's
+extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and returns
+the module, or ``None`` (with one warning) where it cannot: not x86-64, a CPU without
+AVX2/FMA/F16C, no compiler or ninja, or any build error. Callers then use the pure-PyTorch
+reference path (``quickdraft.quant``), so the package installs and runs everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+_DIR = Path(__file__).parent
+SOURCES = [_DIR / "ggml_cpu.cpp"]
+HEADERS = [_DIR / "ggml_cpu.h"]
+# AVX2/FMA/F16C only (no -march=native): the build must run on any x86-64 machine with those.
+# -ffp-contract=off: no silent a*b+c fusing; every fused multiply-add in the kernels is explicit.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+_error: str | None = None
+
+
+def _cpu_unsupported() -> str | None:
+    """None if this CPU can run the kernels, else the reason it cannot."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"CPU architecture {platform.machine()} is not x86-64"
+    try:
+        import torch
+
+        cap = torch.backends.cpu.get_cpu_capability()
+        if cap not in ("AVX2", "AVX512"):
+            return f"torch reports CPU capability {cap}; the kernels need AVX2"
+    except Exception:  # older torch without get_cpu_capability: /proc/cpuinfo decides
+        pass
+    try:
+        flags: set[str] = set()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return None  # not Linux: torch's capability check above is all there is
+    missing = [f for f in ("avx2", "fma", "f16c") if flags and f not in flags]
+    return f"CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip ``ninja`` package lives next to this Python."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except Exception:
+        pass
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "ninja")):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
+def build_name() -> str:
+    """Extension name: one per source and flag version, so an edit never loads a stale build."""
+    h = hashlib.sha256()
+    for p in SOURCES + HEADERS:
+        h.update(p.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return f"quickdraft_ggml_cpu_{h.hexdigest()[:12]}"
+
+
+def _build() -> ModuleType:
+    import torch.utils.cpp_extension as ext
+
+    _ensure_ninja_on_path()
+    name = build_name()
+    build_dir = Path(ext._get_build_directory(name, verbose=False))
+    if not any(build_dir.glob(f"{name}*.so")):
+        print("building quickdraft CPU kernels (once) ...", file=sys.stderr, flush=True)
+    return ext.load(
+        name=name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=list(CFLAGS),  # copies: torch appends to the lists it is given
+        extra_ldflags=list(LDFLAGS),
+        extra_include_paths=[str(_DIR)],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def load() -> ModuleType | None:
+    """The compiled kernel module, built on first call; None (warned once) if it cannot be."""
+    global _module, _tried, _error
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        reason = _cpu_unsupported()
+        if reason is None:
+            try:
+                _module = _build()
+            except Exception as exc:  # compiler, ninja, headers, linker: any failure means fallback
+                lines = str(exc).strip().splitlines()
+                reason = f"{type(exc).__name__}: {lines[-1] if lines else exc!r}"
+        if reason is not None:
+            _error = reason
+            warnings.warn(
+                f"quickdraft CPU kernels unavailable ({reason}); using the slower pure-PyTorch path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _tried = True
+        return _module
+
+
+def load_error() -> str | None:
+    """Why ``load()`` returned None (after it was called), else None."""
+    return _error
+
+
+def disabled_by_env() -> bool:
+    """True when ``QUICKDRAFT_KERNELS=ref`` (or reference/off/0/none) asks for the reference path."""
+    return os.environ.get("QUICKDRAFT_KERNELS", "").strip().lower() in (
+        "ref",
+        "reference",
+        "off",
+        "0",
+        "none",
+    )
