@@ -25,7 +25,7 @@ def measure(model: str, tokens: int, dtype: str) -> dict[str, object]:
 
     from quickdraft import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype)
+    llm = LLM(model, dtype=dtype, draft="none")
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=8))  # warm-up
     t0 = time.perf_counter()
@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen-0.5b", "qwen-1.5b"])
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="benchmarks/results/plain_decode.json")
     args = ap.parse_args()
