@@ -15,6 +15,7 @@ tokens simply join ``pending`` and are read in one pass next time.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 from torch import Tensor
@@ -57,6 +58,7 @@ class DraftModelDrafter:
         self.generator = make_generator(0)
         self._base = 0  # cache length before the last proposal
         self._proposed: Tensor | None = None
+        self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         # q must be shaped like p except for penalties (they need history the draft lacks; any q
@@ -78,7 +80,10 @@ class DraftModelDrafter:
         ids = torch.tensor(self.pending, dtype=torch.long)
         tokens, qs = [], []
         for _ in range(k):
+            t0 = time.perf_counter()
             logits, _ = self.model(ids, self.cache, num_logits=1)  # [1, V_draft]
+            if ids.shape[0] == 1:
+                self.last_token_seconds = time.perf_counter() - t0
             tok, q = self._pick(logits)
             tokens.append(tok)
             if q is not None:

@@ -140,11 +140,13 @@ class AutoDrafter:
         if chosen is None:
             return None, Draft(tokens=torch.empty(0, dtype=torch.long))
         chosen.idle = 0
-        t0 = time.perf_counter()
         draft = _cut(preview, k) if preview is not None else chosen.drafter.propose(k)
-        if not chosen.cheap and draft.k:
-            spent = (time.perf_counter() - t0) / draft.k
-            chosen.seconds_per_token = (1 - EMA) * chosen.seconds_per_token + EMA * spent
+        steady = getattr(chosen.drafter, "last_token_seconds", None)
+        if not chosen.cheap and steady is not None:
+            # Per-token cost from the drafter's steady one-token passes: the catch-up pass over
+            # tokens it missed while idle is paid once, not per drafted token, and counting it
+            # here would make an idle drafter look ever more expensive and never get used again.
+            chosen.seconds_per_token = (1 - EMA) * chosen.seconds_per_token + EMA * steady
         return chosen, draft
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
