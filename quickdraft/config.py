@@ -7,6 +7,9 @@ from typing import Any
 
 from quickdraft.errors import QuickdraftError
 
+# --dtype values: "auto" keeps GGUF weights quantized (CPU kernels); the rest dequantize.
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from quickdraft.cli.common import DEFAULT_MODEL, info
+from quickdraft.config import DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_METHODS = "none,ngram,auto"
@@ -52,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="tokens drafted per step: a number or auto (default)",
     )
-    choices = _dtype_choices()
+    choices = DTYPE_CHOICES
     g.add_argument(
         "--dtype",
         default=choices[0],
@@ -124,12 +125,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request per method")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
-
-
-def _dtype_choices() -> list[str]:
-    from quickdraft.loading import load
-
-    return list(getattr(load, "DTYPE_CHOICES", load.DTYPES))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from quickdraft.config import DTYPE_CHOICES
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help="zoo name (quickdraft models list), .gguf file, Hugging Face folder or hub id "
                         f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto (default): GGUF weights stay in their quantized blocks, computed by the CPU "
                         "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")

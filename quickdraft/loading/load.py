@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from quickdraft import zoo
-from quickdraft.config import ModelConfig
+from quickdraft.config import DTYPE_CHOICES, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading import gguf as gguf_io
 from quickdraft.loading import safetensors as st_io
@@ -27,7 +27,7 @@ from quickdraft.models.llama import CausalLM
 from quickdraft.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+assert set(DTYPE_CHOICES) == {"auto", *DTYPES}
 DEFAULT_MAX_CONTEXT = 8192
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
