@@ -55,13 +55,25 @@ class LLM:
         dtype: str = "auto",
         max_context: int | None = None,
         threads: int | None = None,
+        tensor_parallel: int = 1,
         log: Callable[[str], None] = lambda _msg: None,
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
-        .gguf, folder) sharing the target's tokenizer. ``num_draft``: fixed k, or None = auto."""
+        .gguf, folder) sharing the target's tokenizer. ``num_draft``: fixed k, or None = auto.
+        ``tensor_parallel``: split the target over this many processes (see quickdraft.parallel)."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft)  # validate before loading anything
-        self.target: LoadedModel = load_model(model, dtype=dtype, max_context=max_context)
+        if tensor_parallel < 1:
+            raise QuickdraftError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
+        if tensor_parallel > 1:  # ranks share the cores; under torchrun, ranks > 0 stay in here
+            from quickdraft.parallel.launch import load_tensor_parallel
+
+            self.threads = configure_threads(max(1, self.threads // tensor_parallel))
+            self.target: LoadedModel = load_tensor_parallel(
+                model, tensor_parallel, dtype, max_context=max_context, threads=self.threads
+            )
+        else:
+            self.target = load_model(model, dtype=dtype, max_context=max_context)
         self.tokenizer = self.target.tokenizer
         self.engine = Engine(self.target.model, self.tokenizer)
         self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log)

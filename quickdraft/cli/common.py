@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    g.add_argument("--tensor-parallel", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N processes (gloo on CPU, NCCL on GPUs); under torchrun "
+                        "use the same N as --nproc-per-node (default: 1)")
     g = p.add_argument_group("speculative decoding (lossless)")
     g.add_argument("--draft", "-d", default="auto",
                    help="auto (default: picks per step what pays), none, ngram, or a draft model sharing "
@@ -64,7 +67,8 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     num_draft = parse_num_draft(args.num_draft)
     say(f"loading {args.model} ...")
     llm = LLM(args.model, draft=args.draft, num_draft=num_draft, dtype=args.dtype,
-              max_context=args.max_context, threads=args.threads, log=say)
+              max_context=args.max_context, threads=args.threads,
+              tensor_parallel=getattr(args, "tensor_parallel", 1), log=say)
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
     return llm
 
