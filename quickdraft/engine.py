@@ -4,6 +4,12 @@ Per request: prefill the target (and the drafter); then repeat
 draft -> ONE target pass over [last token, drafted tokens] -> verify -> roll back the cache to the
 accepted run -> stop checks -> yield a :class:`StepOutput`. Plain decoding is the same loop with
 no drafter (k = 0). Nothing in here is specific to a model or a drafting method.
+
+A drafter may propose a tree (:class:`~quickdraft.spec.tree.DraftTree`) instead of a chain: the
+pass then runs over [last token] + the tree's nodes with tree positions and a tree mask, the
+verdict is a root-to-node path, and ``cache.compact`` moves that path's KV behind the prefix.
+Drafters that read target features (``capture_layers``, see :mod:`quickdraft.spec.base`) get the
+captured hidden states of every row whose KV was kept, through ``feed``, before each commit.
 """
 
 from __future__ import annotations
@@ -26,7 +32,15 @@ from quickdraft.sampling import (
     process_logits,
     sample_tokens,
 )
-from quickdraft.spec.base import Drafter
+from quickdraft.spec.base import Drafter, capture_layers_of
+from quickdraft.spec.tree import (
+    DraftTree,
+    tree_chain,
+    tree_mask,
+    tree_positions,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from quickdraft.spec.verify import Draft, Verdict, verify_greedy, verify_sampled
 from quickdraft.stopping import StopChecker
 from quickdraft.tokenizer import Tokenizer
@@ -70,14 +84,20 @@ class RequestStats:
         dt = self.t_end - self.t_first
         return (self.output_tokens - 1) / dt if self.output_tokens > 1 and dt > 0 else 0.0
 
-    def record(self, verdict: Verdict, k: int) -> None:
+    def record(self, verdict: Verdict, k: int, depth: int | None = None) -> None:
+        """One verify pass over ``k`` drafted tokens (tree nodes) reaching ``depth`` (default k).
+
+        Per-position counts are indexed by depth: position i counts the passes that drafted at
+        depth i + 1 (for a tree, at least one node there) and those that accepted a token there.
+        """
+        depth = k if depth is None else depth
         self.target_passes += 1
         self.drafted += k
         self.accepted += verdict.num_accepted
-        while len(self.drafted_per_position) < k:
+        while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
-        for i in range(k):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < verdict.num_accepted)
 
@@ -117,6 +137,7 @@ class _Request:
     stats: RequestStats
     constraint: Constraint | None = None
     output: list[int] = field(default_factory=list)
+    capture: tuple[int, ...] = ()  # layers the drafter wants features of, in its order
 
     def output_tensor(self) -> torch.Tensor:
         return torch.tensor(self.output, dtype=torch.long)
@@ -125,10 +146,11 @@ class _Request:
 class Engine:
     """Generates for one sequence at a time with a target model and an optional drafter."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, max_len: int | None = None) -> None:
+        """``max_len``: KV cache length (default: the model's context; shorter for scratch runs)."""
         self.model = model
         self.tokenizer = tokenizer
-        self.cache = model.new_cache()
+        self.cache = model.new_cache() if max_len is None else model.make_cache(max_len)
         self.device = model.device
 
     def generate(
@@ -146,6 +168,7 @@ class Engine:
         """
         req = self._start(prompt_ids, params, drafter)
         req.constraint = constraint
+        req.capture = self._capture_layers(drafter)
         token, logits = self._prefill(req, drafter)
         step = self._emit(req, token, logits)
         if drafter is not None:
@@ -156,11 +179,23 @@ class Engine:
             t0 = time.perf_counter()
             draft = drafter.propose(k) if drafter is not None and k > 0 else _NO_DRAFT
             t1 = time.perf_counter()
-            verdict, logits = self._verify(req, draft)
+            if draft.k > k:
+                raise ValueError(f"drafter {req.stats.drafter!r} proposed {draft.k} tokens, more than the {k} asked for")
+            if isinstance(draft, DraftTree) and req.constraint is not None:
+                # Constraint.allowed masks chains; verifying the first-child chain keeps it exact.
+                draft = tree_chain(draft)
+            if isinstance(draft, DraftTree) and draft.k > 0:
+                verdict, logits, hidden = self._verify_tree(req, draft)
+                req.stats.record(verdict, draft.k, draft.depth)
+            else:
+                chain = draft if isinstance(draft, Draft) else _NO_DRAFT
+                verdict, logits, hidden = self._verify(req, chain)
+                req.stats.record(verdict, chain.k)
             req.stats.draft_seconds += t1 - t0
             req.stats.verify_seconds += time.perf_counter() - t1
-            req.stats.record(verdict, draft.k)
             if drafter is not None:
+                if hidden is not None:
+                    drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
                 drafter.commit(verdict.tokens, verdict.num_accepted)
             step = self._emit(req, verdict.tokens, logits)
             yield step
@@ -182,11 +217,48 @@ class Engine:
         stop = StopChecker(self.tokenizer, params, prompt_ids)
         return _Request(prompt, params, make_generator(params.seed, self.device), stop, stats)
 
+    def _capture_layers(self, drafter: Drafter | None) -> tuple[int, ...]:
+        """The drafter's feature layers, checked against the target (0..L, L = final norm input)."""
+        layers = capture_layers_of(drafter)
+        num_layers = self.model.config.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i <= num_layers]
+        if bad:
+            raise QuickdraftError(
+                f"drafter {getattr(drafter, 'name', '?')!r} needs hidden states of layers {list(layers)}, "
+                f"but the target has {num_layers} layers (valid: 0..{num_layers}); "
+                "use a drafter made for this target model"
+            )
+        return layers
+
+    def _run(
+        self,
+        req: _Request,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        num_logits: int | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One target pass, capturing the drafter's feature layers if it has any."""
+        capture = tuple(sorted(set(req.capture)))  # the model returns them in layer order
+        return self.model(ids, self.cache, positions=positions, mask=mask, capture=capture, num_logits=num_logits)
+
+    def _features(self, req: _Request, captured: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor | None:
+        """[n, len(capture) * H]: the kept ``rows`` (None = all) of the captured layers, concatenated
+        in the drafter's order; None when the drafter takes no features."""
+        if not req.capture:
+            return None
+        by_layer = dict(zip(sorted(set(req.capture)), captured, strict=True))
+        hidden = torch.cat([by_layer[i] for i in req.capture], dim=-1)  # [T, n * H]
+        return hidden if rows is None else hidden.index_select(0, rows)
+
     def _prefill(self, req: _Request, drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.reset()
-        logits, _ = self.model(req.prompt, self.cache, num_logits=1)  # [1, V]
+        logits, captured = self._run(req, req.prompt, num_logits=1)  # [1, V]
         if drafter is not None:
             drafter.prefill(req.prompt, req.params)
+            hidden = self._features(req, captured, None)
+            if hidden is not None:
+                drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
         processed = self._process(req, logits, _NO_DRAFT)
         if req.params.greedy:
             token = greedy_tokens(processed)  # [1]
@@ -202,17 +274,53 @@ class Engine:
         history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
         return process_logits(logits, req.params, req.prompt, history, draft.tokens if draft.k else None)
 
-    def _verify(self, req: _Request, draft: Draft) -> tuple[Verdict, torch.Tensor]:
+    def _verify(self, req: _Request, draft: Draft) -> tuple[Verdict, torch.Tensor, torch.Tensor | None]:
         start = self.cache.length
         ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), draft.tokens])  # [k+1]
-        logits, _ = self.model(ids, self.cache)  # [k+1, V]
+        logits, captured = self._run(req, ids)  # [k+1, V]
         processed = self._process(req, logits, draft)
         if req.params.greedy:
             verdict = verify_greedy(greedy_tokens(processed), draft)
         else:
             verdict = verify_sampled(probs_from_logits(processed), draft, req.generator)
         self.cache.truncate(start + 1 + verdict.num_accepted)  # keep last token + accepted drafts
-        return verdict, logits
+        kept = torch.arange(verdict.num_accepted + 1, device=self.device)
+        return verdict, logits, self._features(req, captured, kept)
+
+    def _verify_tree(self, req: _Request, tree: DraftTree) -> tuple[Verdict, torch.Tensor, torch.Tensor | None]:
+        """One pass over [last] + nodes, each row seeing the prefix and its own ancestors; keep the
+        accepted path. Returns the verdict, the raw logits of the kept rows and their features."""
+        start = self.cache.length
+        ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), tree.tokens.to(self.device)])
+        positions = tree_positions(start, tree, self.device)  # [N+1]
+        mask = tree_mask(start, tree, self.device)  # [N+1, start+N+1]
+        logits, captured = self._run(req, ids, positions=positions, mask=mask)  # [N+1, V]
+        processed = self._process_tree(req, logits, tree)
+        if req.params.greedy:
+            verdict = verify_tree_greedy(greedy_tokens(processed), tree)
+        else:
+            verdict = verify_tree_sampled(probs_from_logits(processed), tree, req.generator)
+        rows = verdict.rows.to(self.device)  # [n+1]: the root, then the accepted path
+        self.cache.compact(start, rows)
+        return verdict, logits.index_select(0, rows), self._features(req, captured, rows)
+
+    def _process_tree(self, req: _Request, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """Like :meth:`_process` for tree rows (no constraint: trees are cut to chains for those).
+
+        History-free transforms act on each row alone, so one call does every row. Penalties need
+        each row's own history, the output plus that row's ancestors' tokens (rows of different
+        branches see different tokens), so each row is processed by itself as a one-row call with
+        exactly that history: bitwise what plain decoding computes at that position.
+        """
+        if not req.params.needs_history:
+            return process_logits(logits, req.params, req.prompt, _NO_DRAFT.tokens)
+        drafted = tree.tokens.tolist()
+        rows = []
+        for row in range(tree.k + 1):
+            history = req.output + [drafted[j] for j in tree.path(row - 1)]
+            ids = torch.tensor(history, dtype=torch.long, device=self.device)
+            rows.append(process_logits(logits[row : row + 1], req.params, req.prompt, ids))
+        return torch.cat(rows)
 
     def _budget(self, req: _Request, k: int) -> int:
         """Draft no further than the tokens still allowed and the cache still holds."""

@@ -39,6 +39,7 @@ from quickdraft.spec.draft_model import DraftModelDrafter, check_same_tokenizer
 from quickdraft.spec.factory import SpecConfig, build_drafter
 from quickdraft.spec.ngram import NGramDrafter
 from quickdraft.spec.policy import Acceptance, AutoDrafter, Candidate, TargetCost
+from quickdraft.spec.tree import DraftTree, cut_tree
 from quickdraft.spec.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
@@ -857,3 +858,53 @@ def test_seeded_speculative_sampling_reproduces(
         assert first.stats.drafted > 0
         other = generate(sampler, prompt, make(), 3, seed=124, **params)
         assert other.ids != first.ids
+
+
+class TreeOfSiblings:
+    """Proposes root children only (a tree of siblings): fixed tokens (deterministic, q one-hot),
+    or, with ``q``, tokens drawn i.i.d. from q with the drafter's own seeded generator."""
+
+    name = "siblings"
+
+    def __init__(self, tokens: list[int], q: torch.Tensor | None = None) -> None:
+        self.tokens, self.q = tokens, q
+        self.gen = torch.Generator()
+
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+        self.gen.manual_seed(0 if params.seed is None else params.seed + 1)
+
+    def propose(self, k: int) -> DraftTree:
+        n = len(self.tokens)
+        parents = torch.full((n,), -1, dtype=torch.long)
+        if self.q is None:
+            return cut_tree(DraftTree(torch.tensor(self.tokens), parents), k)
+        drawn = torch.multinomial(self.q, n, replacement=True, generator=self.gen)
+        return cut_tree(DraftTree(drawn, parents, self.q.expand(n, -1)), k)
+
+    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["deterministic", "sampled"])
+def test_tree_speculative_sampling_follows_exact_marginals(
+    sampler: LoadedModel, exact: dict, kind: str
+) -> None:
+    """Two sibling drafts per step (max_tokens=4 leaves room for 2 nodes): multi-draft rejection,
+    residual and bonus paths through the engine keep the exact marginals."""
+    marginals, lost = exact["base"]
+    assert lost < 1e-4
+    top = marginals[1].topk(2).indices.tolist()  # the likeliest 2nd tokens: often accepted
+    if kind == "deterministic":
+        drafter = TreeOfSiblings(top)
+    else:  # a q unlike p: mass on the likeliest 2nd token and spread over a few unlikely ones
+        q = torch.zeros(sampler.config.vocab_size)
+        q[top[0]] = 0.5
+        q[marginals[1].topk(12).indices[4:]] = 0.5 / 8
+        drafter = TreeOfSiblings([0, 0], q)
+    outs = sample_outputs(sampler, drafter, 2, BASE, SAMPLE_RUNS)
+    assert all(len(o) == SAMPLE_DEPTH + 1 for o in outs)
+    for i in range(SAMPLE_DEPTH):
+        check_marginal([o[i] for o in outs], marginals[i], f"tree {kind} token {i}")

@@ -4,15 +4,38 @@ The engine calls, per request: ``prefill(prompt)`` once; then per step ``propose
 tokens continuing the context, and after the target's verdict ``commit(tokens, n)`` with the
 tokens emitted this step (n accepted drafts followed by the bonus or recovered token).
 A drafter keeps its own state (its KV cache, an n-gram index) and rolls it back itself.
+
+``propose`` may return a chain (:class:`Draft`) or a tree (:class:`DraftTree`, N <= k nodes). For a
+tree, the n accepted tokens in ``commit`` are the tokens of the accepted root-to-node path; a drafter
+that needs the node indices finds them by walking its tree from the root, taking at each level the
+first child whose token is the next emitted one (the rule verification uses too).
+
+Target features (optional, for drafters such as EAGLE-3 that read the target's hidden states):
+
+- ``capture_layers: tuple[int, ...]``: the decoder layers whose INPUT hidden state the drafter
+  needs (index i = the input of layer i = output of layer i - 1, HF ``output_hidden_states[i]``;
+  index L = the final norm's input). Missing or empty = no features.
+- ``feed(hidden)``: ``hidden`` [n, len(capture_layers) * H] is ``torch.cat`` of those layers' rows,
+  in the order of ``capture_layers``, in the target's activation dtype and on its device. The engine
+  calls it after the prefill with all P prompt rows (before the first ``commit(token, 0)``), and
+  after every verify pass with the rows whose KV was kept: the pass's first row (the last committed
+  token) followed by the rows of the accepted drafts (chain: rows 0..n; tree: row 0, then the
+  accepted path's nodes, root to leaf), before ``commit(tokens, n)``. After a commit the drafter so
+  has a feature for every committed token except the newest one (the bonus or recovered token,
+  which no target pass has read yet).
+
+:class:`FeatureDrafter` is that extended protocol; :func:`capture_layers_of` reads the attribute
+from any drafter.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
 from quickdraft.sampling import SamplingParams
+from quickdraft.spec.tree import DraftTree
 from quickdraft.spec.verify import Draft
 
 
@@ -22,11 +45,28 @@ class Drafter(Protocol):
     def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         """Start a request: ``prompt_ids`` [P]. ``params`` shapes q for sampling drafters."""
 
-    def propose(self, k: int) -> Draft:
-        """Up to ``k`` tokens that continue the committed context (fewer, even 0, is fine)."""
+    def propose(self, k: int) -> Draft | DraftTree:
+        """Up to ``k`` tokens (a chain) or tree nodes that continue the committed context (fewer,
+        even 0, is fine)."""
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         """``tokens`` [n+1] were emitted: the first ``num_accepted`` came from the last proposal."""
 
     def reset(self) -> None:
         """Forget the request."""
+
+
+@runtime_checkable
+class FeatureDrafter(Drafter, Protocol):
+    """A drafter that reads the target's hidden states (see the module docstring)."""
+
+    capture_layers: tuple[int, ...]
+
+    def feed(self, hidden: Tensor) -> None:
+        """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""
+
+
+def capture_layers_of(drafter: object) -> tuple[int, ...]:
+    """The layers ``drafter`` wants features of; () for drafters without ``capture_layers``."""
+    layers = getattr(drafter, "capture_layers", None)
+    return tuple(int(i) for i in layers) if layers else ()

@@ -12,6 +12,11 @@ is drafter d's observed acceptance rate at draft position j given that j-1 were 
 (Leviathan et al. 2023, section 3.4, with per-position rates), and c_* are seconds measured on
 this machine: calibrated once at start, then tracked online. A drafter not used for a while gets
 a small probe step so its estimates recover when the text changes character.
+
+A candidate may propose trees: k then counts its nodes (the target pass costs k + 1 rows), and its
+acceptance is tracked per depth along the accepted path. Candidates that read target features
+(``capture_layers`` / ``feed``, see :mod:`quickdraft.spec.base`) get them through the AutoDrafter,
+which asks the engine for the union of their layers.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch import Tensor
 
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Drafter
+from quickdraft.spec.base import Drafter, capture_layers_of
+from quickdraft.spec.tree import DraftTree, cut_tree
 from quickdraft.spec.verify import Draft
 
 EMA = 0.2  # weight of a new observation
@@ -112,21 +118,44 @@ class AutoDrafter:
         self.usage: dict[str, int] = {c.drafter.name: 0 for c in candidates} | {"none": 0}
         self._chosen: Candidate | None = None
         self._k = 0
+        self._depth = 0  # how deep the last proposal reaches (= k for a chain)
         self._t_ready = 0.0
+        # Feature layers: the union of the candidates', in layer order (see feed).
+        self.capture_layers: tuple[int, ...] = tuple(
+            sorted({i for c in candidates for i in capture_layers_of(c.drafter)})
+        )
+
+    def feed(self, hidden: Tensor) -> None:
+        """Hand each feature-reading candidate its own layers' columns, in its own order.
+
+        ``hidden`` [n, len(self.capture_layers) * H] holds the union of the layers, in layer order.
+        """
+        width = hidden.shape[-1] // len(self.capture_layers)
+        for c in self.candidates:
+            layers = capture_layers_of(c.drafter)
+            if not layers:
+                continue
+            if layers == self.capture_layers:
+                c.drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
+                continue
+            blocks = [self.capture_layers.index(i) for i in layers]
+            cols = [hidden[:, b * width : (b + 1) * width] for b in blocks]
+            c.drafter.feed(torch.cat(cols, dim=-1))  # type: ignore[attr-defined]
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
         for c in self.candidates:
             c.drafter.prefill(prompt_ids, params)
 
-    def propose(self, k: int) -> Draft:
+    def propose(self, k: int) -> Draft | DraftTree:
         chosen, draft = self._choose(k)
         self._chosen, self._k = chosen, draft.k
+        self._depth = draft.depth if isinstance(draft, DraftTree) else draft.k
         self.usage[chosen.drafter.name if chosen and draft.k else "none"] += 1
         self._t_ready = time.perf_counter()
         return draft
 
-    def _choose(self, budget: int) -> tuple[Candidate | None, Draft]:
-        best: tuple[float, Candidate | None, int, Draft | None] = (1.0 / self.cost(1), None, 0, None)
+    def _choose(self, budget: int) -> tuple[Candidate | None, Draft | DraftTree]:
+        best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (1.0 / self.cost(1), None, 0, None)
         for c in self.candidates:
             c.idle += 1
             preview = c.drafter.propose(budget) if c.cheap else None
@@ -154,17 +183,20 @@ class AutoDrafter:
             self.cost.observe(self._k + 1, time.perf_counter() - self._t_ready)
         self._t_ready = 0.0
         if self._chosen is not None and self._k:
-            self._chosen.acceptance.observe(self._k, num_accepted)
+            self._chosen.acceptance.observe(self._depth, num_accepted)
         for c in self.candidates:
             c.drafter.commit(tokens, num_accepted if c is self._chosen else 0)
-        self._chosen, self._k = None, 0
+        self._chosen, self._k, self._depth = None, 0, 0
 
     def reset(self) -> None:
         for c in self.candidates:
             c.drafter.reset()
 
 
-def _cut(draft: Draft, k: int) -> Draft:
+def _cut(draft: Draft | DraftTree, k: int) -> Draft | DraftTree:
+    """The first k tokens of a chain, or the first k nodes of a tree (still a tree)."""
+    if isinstance(draft, DraftTree):
+        return cut_tree(draft, k)
     return Draft(tokens=draft.tokens[:k], probs=None if draft.probs is None else draft.probs[:k])
 
 
