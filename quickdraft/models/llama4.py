@@ -1,0 +1,155 @@
+"""Llama 4 text model (HF ``model_type`` "llama4_text", and the text half of "llama4").
+
+Follows transformers' ``Llama4TextModel``:
+
+* Feed-forward: MoE on the layers in ``moe_layers`` (every ``interleave_moe_layer_step``-th by
+  default), a dense MLP of width ``intermediate_size_mlp`` elsewhere. The MoE routes each token to
+  its top-k (Llama 4: one) experts by the router logits; ``sigmoid(logit)`` scales the expert's
+  INPUT, and an always-on shared expert is added.
+* Attention per layer, by ``no_rope_layers`` (1 = RoPE layer, 0 = NoPE layer):
+  RoPE layers rotate q/k in interleaved pairs (Meta's complex layout, not rotate-half), then
+  L2-normalise them (no weight) when ``use_qk_norm``, and attend only within their chunk of
+  ``attention_chunk_size`` positions (a query at position p sees keys at positions
+  ``p // C * C .. p``). NoPE layers attend to the whole causal context, their queries scaled by
+  ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` (attention temperature tuning).
+  Where the config lists ``layer_types``, they decide which layers are chunked, as in transformers.
+
+The temperature uses each row's RoPE position; transformers uses the cache length plus the row
+index, which is the same for every chain and, for a draft tree, gives a node the scale plain
+decoding would give it. Chunks are likewise taken over positions (a committed slot's position is
+its slot), so tree rows see what plain decoding would show them.
+
+Checkpoint names: ``feed_forward`` (read as ``mlp``), ``feed_forward.router`` (``mlp.gate``),
+stacked input-major experts ``feed_forward.experts.gate_up_proj`` [E, H, 2I] / ``down_proj``
+[E, I, H], split per expert at load. A full "llama4" checkpoint's text weights sit under
+``language_model.``; its vision tower and projector are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quickdraft.config import ModelConfig
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, Attention, Linear, Rope, Step
+from quickdraft.models.moe import MoECausalLM
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [H, T, D] by angle tables [T, D/2] in interleaved pairs (x[2j], x[2j+1]),
+    computed in float32 as transformers' complex multiply is."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Per-row query scale [T] float32 of NoPE layers: grows with log(position / floor_scale).
+
+    Computed per position in Python rather than as one vectorised log1p, whose last bit could
+    depend on how many rows share the pass (see :func:`quickdraft.models.moe.rowwise`).
+    """
+    scales = [math.log1p(math.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0 for p in positions.tolist()]
+    return torch.tensor(scales, dtype=torch.float32, device=positions.device)
+
+
+def slot_positions(step: Step) -> torch.Tensor:
+    """Position of every cache slot this pass can see [start + T]: committed slots hold their own
+    position, the pass's slots the positions it was given."""
+    before = torch.arange(step.start, device=step.positions.device, dtype=step.positions.dtype)
+    return torch.cat([before, step.positions])
+
+
+class Llama4Attention(Attention):
+    def __init__(self, cfg: ModelConfig, rope: Rope, layer: int) -> None:
+        super().__init__(cfg, rope)
+        if cfg.attention_bias:
+            self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=True)
+        self.use_rope = bool(cfg.no_rope_layers[layer]) if cfg.no_rope_layers else True
+        chunked = cfg.layer_types[layer] == "chunked_attention" if cfg.layer_types else self.use_rope
+        self.chunk = cfg.attention_chunk_size if chunked else None
+        self.l2_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and self.use_rope else None
+        self.temperature = cfg.attn_temperature_tuning and not self.use_rope
+        self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
+
+    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.nh, self.hd).transpose(0, 1)  # [Hq, T, D]
+        k = self.k_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
+        v = self.v_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)
+        if self.use_rope:
+            half = self.hd // 2  # the Rope tables hold [freqs, freqs]: the first half is each pair's angle
+            cos, sin = self.rope.cos[step.positions, :half], self.rope.sin[step.positions, :half]
+            q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)
+        if self.l2_eps is not None:
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+        if self.temperature:
+            scales = temperature_scales(step.positions, self.floor_scale, self.attn_scale)
+            q = (q * scales.unsqueeze(-1)).to(q.dtype)
+        keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        if self.chunk is None:
+            if t > BLOCKED_MAX_ROWS:
+                out = self._attend(q, keys, values, step.mask)
+            else:
+                out = torch.cat([self._attend_row(q, keys, values, step, i) for i in range(t)], dim=1)
+        elif t > BLOCKED_MAX_ROWS:
+            out = self._attend(q, keys, values, self._chunk_mask(step, self.chunk))
+        else:
+            pos = step.positions.tolist()
+            slots = None if step.row_slots is None else slot_positions(step)
+            out = torch.cat(
+                [self._attend_chunk_row(q, keys, values, step, i, pos[i], slots) for i in range(t)], dim=1
+            )
+        return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
+
+    @staticmethod
+    def _chunk_mask(step: Step, chunk: int) -> torch.Tensor:
+        """The pass's mask [T, start + T] restricted to each query's chunk."""
+        same = (slot_positions(step).unsqueeze(0) // chunk) == (step.positions.unsqueeze(1) // chunk)
+        return same if step.mask is None else same & step.mask
+
+    def _attend_chunk_row(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, i: int, pos: int,
+        slot_pos: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Row i (at position ``pos``) over the slots it may see inside its chunk, as one
+        decode-shaped call: the same keys in the same order as plain decoding of that token, so
+        batch invariant. ``slot_pos``: :func:`slot_positions` for tree passes."""
+        chunk = self.chunk
+        assert chunk is not None
+        if step.row_slots is None or slot_pos is None:  # chain: slots and positions advance together
+            end = step.start + i + 1
+            lo = max(0, end - 1 - pos % chunk)
+            return self._attend(q[:, i : i + 1], k[:, lo:end], v[:, lo:end], None)
+        idx = step.row_slots[i]
+        idx = idx[slot_pos[idx] // chunk == pos // chunk]
+        return self._attend(q[:, i : i + 1], k.index_select(1, idx), v.index_select(1, idx), None)
+
+
+class CausalLM(MoECausalLM):
+    routing = "sigmoid_input"
+    checkpoint_renames = (
+        (r"^language_model\.", ""),
+        (r"\.feed_forward\.router\.", ".mlp.gate."),
+        (r"\.feed_forward\.", ".mlp."),
+    )
+    checkpoint_skip = ("vision_model.", "multi_modal_projector.")
+    stacked_input_major = True
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__(cfg, max_len)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = Llama4Attention(cfg, self.model.rope, i)
+
+    def is_moe_layer(self, i: int) -> bool:
+        cfg = self.config
+        if cfg.moe_layers is not None:
+            return i in cfg.moe_layers
+        step = cfg.interleave_moe_layer_step
+        return i % step == step - 1

@@ -1,0 +1,232 @@
+"""Mixture-of-experts feed-forward blocks, shared by mixtral, qwen2_moe, qwen3_moe and llama4.
+
+A sparse layer replaces the dense MLP of the llama decoder: a router (``gate``, a Linear H -> E)
+scores the E experts for every row, each row runs through its top-k experts (gated SiLU MLPs
+``experts.N.{gate,up,down}_proj``), and their outputs are combined with the routing weights;
+some families add an always-on ``shared_expert``. The families differ in the routing:
+
+    softmax_topk   (qwen2_moe, qwen3_moe)  softmax over all E, top k, renormalised if norm_topk_prob
+    topk_softmax   (mixtral)               top k of the logits, softmax over those k
+    sigmoid_input  (llama4)                top k of the logits; sigmoid(score) scales the expert's
+                                           INPUT and the outputs are summed unweighted
+
+Speed: each expert is its own set of :class:`Linear` modules, so a one-token decode step reads
+only its k experts' weights, and a (k+1)-row verification pass groups its rows by expert: every
+expert that any row chose runs once, over exactly those rows.
+
+Batch invariance (speculative greedy output == plain greedy output): a row's result must not
+depend on the rows sharing its pass. Routing is row-wise (softmax and top-k per row over the
+router's batch-invariant Linear), every expert is a batch-invariant :class:`Linear` that sees the
+row's exact input whichever rows come with it, and the k outputs are combined element-wise in a
+fixed order (by top-k rank, not by expert id or by arrival), so the row's bits are the same as
+when it is decoded alone.
+
+Checkpoints: the parameters carry the per-expert names that ``save_pretrained`` writes for
+qwen MoE (``mlp.experts.N.gate_proj.weight`` ...). :meth:`MoECausalLM.convert_checkpoint` maps the
+other layouts onto them while the tensors stream in: family renames (mixtral's
+``block_sparse_moe.experts.N.w1/w3/w2``, llama4's ``feed_forward.router``) and stacked experts,
+split per expert: transformers 5's in-memory ``experts.gate_up_proj`` [E, 2I, H] /
+``experts.down_proj`` [E, H, I], and llama4's ``[E, H, 2I]`` / ``[E, I, H]`` (input-major).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.layers import MLP, Linear
+from quickdraft.models.llama import CausalLM
+
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
+ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an element-wise ``fn`` on a narrow ``x`` [T, n], bitwise independent of T.
+
+    torch's CPU kernels compute full SIMD chunks with vectorised approximations (exp, sigmoid,
+    silu ...) and a ragged tail another way, so an element's bits depend on where the tensor ends:
+    sigmoid of a [1, 2] row differs in the last bit from the same row inside [9, 2]. Padding each
+    row to ROW_LANES elements keeps every element on the vectorised path at any T. Released
+    models' MLP widths are multiples of 64, so the experts' SiLU needs no padding (a width that is
+    not would lose batch invariance, as a dense MLP of that width does).
+    """
+    n = x.shape[-1]
+    if n % ROW_LANES == 0:
+        return fn(x)
+    return fn(F.pad(x, (0, ROW_LANES - n % ROW_LANES)))[..., :n]
+
+
+def route(kind: str, logits: torch.Tensor, k: int, renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] long), best expert first.
+
+    Computed in float32 like transformers does (bf16 probabilities would round the weights).
+    For "sigmoid_input" the weights are the sigmoid scores that multiply each expert's input.
+    """
+    if kind == "softmax_topk":
+        weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+    top, experts = torch.topk(logits, k, dim=-1)
+    if kind == "topk_softmax":
+        return torch.softmax(top.float(), dim=-1), experts
+    if kind == "sigmoid_input":
+        return rowwise(torch.sigmoid, top.float()), experts
+    raise ValueError(f"unknown routing {kind!r}; one of {ROUTINGS}")
+
+
+def group_by_expert(experts: torch.Tensor) -> dict[int, list[int]]:
+    """Expert id -> the flat (row * k + rank) slots routed to it, in slot order."""
+    groups: dict[int, list[int]] = {}
+    for slot, expert in enumerate(experts.flatten().tolist()):
+        groups.setdefault(expert, []).append(slot)
+    return groups
+
+
+def gated_mlp(cfg: ModelConfig, width: int) -> MLP:
+    """The decoder's gated SiLU MLP (``gate_proj``, ``up_proj``, ``down_proj``) of another width."""
+    return MLP(dataclasses.replace(cfg, intermediate_size=width))
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus an optional shared expert; ``forward(x [T, H]) -> [T, H]``."""
+
+    def __init__(self, cfg: ModelConfig, routing: str, shared_expert_gate: bool = False) -> None:
+        super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r}; one of {ROUTINGS}")
+        self.routing, self.top_k, self.renormalize = routing, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(gated_mlp(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = gated_mlp(cfg, shared) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared and shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.routing, self.gate(x), self.top_k, self.renormalize)
+        out = self.run_experts(x, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:  # qwen2_moe: a per-row sigmoid gate
+                shared = rowwise(torch.sigmoid, self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once over its rows; outputs combined per row in top-k rank order."""
+        t, k = experts.shape
+        scale_input = self.routing == "sigmoid_input"
+        flat_weights = weights.flatten()
+        ys = x.new_empty(t * k, x.shape[1])  # slot row * k + rank
+        for expert, slots in group_by_expert(experts).items():
+            idx = torch.tensor(slots, device=x.device)
+            xe = x if t == 1 else x.index_select(0, idx // k)  # one row: top-k experts are distinct
+            if scale_input:  # llama4 scales the input in the activation dtype, as transformers does
+                xe = xe * flat_weights[idx].to(x.dtype).unsqueeze(1)
+            ys.index_copy_(0, idx, self.experts[expert](xe))
+        ys = ys.view(t, k, -1)
+        if scale_input:
+            out = ys[:, 0]
+            for r in range(1, k):
+                out = out + ys[:, r]
+            return out
+        acc = ys[:, 0].float() * weights[:, :1]
+        for r in range(1, k):
+            acc = acc + ys[:, r].float() * weights[:, r : r + 1]
+        return acc.to(x.dtype)
+
+
+_STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?")
+
+
+def convert_expert_layouts(
+    tensors: Iterable[tuple[str, Any]],
+    renames: Iterable[tuple[str, str]] = (),
+    skip: tuple[str, ...] = (),
+    input_major: bool = False,
+) -> Iterator[tuple[str, Any]]:
+    """Stream checkpoint tensors under per-expert parameter names.
+
+    ``renames``: (regex, replacement) applied to every name in turn; names starting with one of
+    ``skip`` are dropped (e.g. a multimodal checkpoint's vision tower). Stacked experts
+    ``*.experts.gate_up_proj`` (gate rows first, then up) and ``*.experts.down_proj`` are split
+    into ``*.experts.N.{gate,up,down}_proj.weight``; ``input_major`` means they are stored as
+    ``[E, in, out]`` (used as ``x @ W``, llama4) rather than ``[E, out, in]``. One tensor is split at
+    a time, so memory stays near the model's own size.
+    """
+    patterns = [(re.compile(p), r) for p, r in renames]
+    for name, tensor in tensors:
+        for pattern, repl in patterns:
+            name = pattern.sub(repl, name)
+        if name.startswith(skip):
+            continue
+        m = _STACKED.fullmatch(name)
+        if m is None:
+            yield name, tensor
+            continue
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise QuickdraftError(
+                f"stacked expert tensor {name} must be a plain [experts, rows, columns] array; "
+                "quantized stacked experts are not supported, use the safetensors checkpoint"
+            )
+        prefix, kind = m.groups()
+        stacked = tensor.transpose(1, 2) if input_major else tensor  # -> [E, out, in]
+        for e, w in enumerate(stacked.unbind(0)):
+            if kind == "gate_up_proj":
+                if w.shape[0] % 2:
+                    raise QuickdraftError(f"{name} has an odd number of gate/up rows {w.shape[0]}")
+                gate, up = w.chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", w
+
+
+def check_moe_config(cfg: ModelConfig) -> None:
+    if cfg.num_experts < 1 or not 1 <= cfg.num_experts_per_tok <= cfg.num_experts or cfg.moe_intermediate_size < 1:
+        raise QuickdraftError(
+            f"{cfg.model_type} is a mixture-of-experts model, but its config has num_experts="
+            f"{cfg.num_experts}, num_experts_per_tok={cfg.num_experts_per_tok}, moe_intermediate_size="
+            f"{cfg.moe_intermediate_size}; it needs 1 <= num_experts_per_tok <= num_experts and a positive "
+            "expert width: check the model folder's config.json"
+        )
+
+
+class MoECausalLM(CausalLM):
+    """The llama-family causal LM with :class:`SparseMoE` in place of the MLP on sparse layers.
+
+    Families set the class attributes: ``routing`` (see :func:`route`), ``shared_expert_gate``,
+    and how their checkpoints name things (``checkpoint_renames``, ``checkpoint_skip``,
+    ``stacked_input_major``); ``is_moe_layer`` says which layers are sparse (default: all). The
+    dense skeleton is built first and its MLPs replaced: under the meta device (how models are
+    loaded) that costs nothing.
+    """
+
+    routing: ClassVar[str] = "softmax_topk"
+    shared_expert_gate: ClassVar[bool] = False
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    checkpoint_skip: ClassVar[tuple[str, ...]] = ()
+    stacked_input_major: ClassVar[bool] = False
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__(cfg, max_len)
+        for i, layer in enumerate(self.model.layers):
+            if self.is_moe_layer(i):
+                check_moe_config(cfg)
+                layer.mlp = SparseMoE(cfg, self.routing, self.shared_expert_gate)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return True
+
+    def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Checkpoint tensors renamed and split into this model's parameters (called by the loader)."""
+        return convert_expert_layouts(tensors, self.checkpoint_renames, self.checkpoint_skip, self.stacked_input_major)
