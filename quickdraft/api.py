@@ -57,12 +57,14 @@ class LLM:
         threads: int | None = None,
         tensor_parallel: int = 1,
         log: Callable[[str], None] = lambda _msg: None,
+        canary: bool = True,
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
-        .gguf, folder) sharing the target's tokenizer. ``num_draft``: fixed k, or None = auto.
+        .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
+        .safetensors; ``canary=False`` skips its load-time check). ``num_draft``: fixed k, or None = auto.
         ``tensor_parallel``: split the target over this many processes (see quickdraft.parallel)."""
         self.threads = configure_threads(threads)
-        spec = SpecConfig(draft=draft, num_draft=num_draft)  # validate before loading anything
+        spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary)  # validate before loading anything
         if tensor_parallel < 1:
             raise QuickdraftError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
         if tensor_parallel > 1:  # ranks share the cores; under torchrun, ranks > 0 stay in here

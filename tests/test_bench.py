@@ -311,7 +311,7 @@ def test_real_humaneval_fetch() -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--methods", "none,eagle3"], "not available yet"),
+        (["--methods", "none,eagle3"], "eagle3=PATH"),
         (["--methods", "none,medusa"], "unknown method"),
         (["--methods", "none,none"], "twice"),
         (["--methods", "draft"], "--draft-model"),
@@ -557,3 +557,183 @@ def test_bench_end_to_end_smollm2(
     image = matplotlib.image.imread(str(out / "bench.png"))
     assert image.shape[0] > 300 and image.shape[1] > 600
     assert "ngram" in capsys.readouterr().out  # the terminal table
+
+
+# --------------------------------------------------------------------------------------------
+# benchmarks/vs_llamacpp.py and its llama.cpp worker: protocol, worker loop, tables (no llama_cpp)
+
+
+def _bench_script(name: str) -> Any:
+    """Import benchmarks/<name>.py (not a package) as a module."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vs_llamacpp_protocol_lines() -> None:
+    vs = _bench_script("vs_llamacpp")
+    line = vs.encode_request("generate", prompt=[1, 2], max_tokens=4, stop_ids=[])
+    assert line.endswith("\n") and json.loads(line) == {
+        "cmd": "generate",
+        "prompt": [1, 2],
+        "max_tokens": 4,
+        "stop_ids": [],
+    }
+    assert vs.parse_reply('{"ok": true, "seconds": {"1": [0.5]}}\n', "x")["seconds"] == {"1": [0.5]}
+    with pytest.raises(QuickdraftError, match="llama.cpp failed in load: no such model file"):
+        vs.parse_reply('{"ok": false, "error": "no such model file"}', "load")
+    with pytest.raises(QuickdraftError, match="not JSON"):
+        vs.parse_reply("llama_model_loader: loaded meta data\n", "load")
+    with pytest.raises(QuickdraftError, match="with"):
+        vs.parse_reply("[1, 2]", "load")  # JSON, but not an answer
+    with pytest.raises(QuickdraftError, match="exited during generate"):
+        vs.parse_reply("", "generate")  # EOF: the worker died
+
+
+class _FakeLlamaEngine:
+    """Stands in for llama.cpp in the worker's loop and records what it was asked."""
+
+    closed = 0
+
+    def __init__(self, model: str, n_ctx: int, n_threads: int, n_batch: int, fa: str) -> None:
+        if model == "missing.gguf":
+            raise ValueError("no such model file: missing.gguf")
+        self.args = (model, n_ctx, n_threads, n_batch, fa)
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.args[0], "n_threads": self.args[2]}
+
+    def pass_times(
+        self, context: list[int], tokens: list[int], rows: list[int], repeats: int
+    ) -> dict[str, list[float]]:
+        return {str(r): [0.001 * r * len(context)] * repeats for r in rows}
+
+    def generate(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> dict[str, Any]:
+        ids = [7] * (max_tokens - 1) + stop_ids[:1]
+        return {"token_ids": ids, "token_times": [0.1 * (i + 1) for i in range(len(ids))]}
+
+    def close(self) -> None:
+        _FakeLlamaEngine.closed += 1
+
+
+def test_vs_llamacpp_worker_loop_with_a_fake_engine() -> None:
+    import io
+
+    worker = _bench_script("_llamacpp_worker")
+    requests = [
+        {"cmd": "generate", "prompt": [1], "max_tokens": 2, "stop_ids": []},  # before load
+        {"cmd": "load", "model": "missing.gguf", "n_ctx": 64, "n_threads": 2, "n_batch": 32},
+        {"cmd": "load", "model": "m.gguf", "n_ctx": 64, "n_threads": 2, "n_batch": 32},
+        {"cmd": "pass_times", "context": [1, 2, 3], "tokens": [4, 5], "rows": [1, 2], "repeats": 2},
+        {"cmd": "pass_times", "context": [1], "tokens": [4], "rows": [0]},
+        {"cmd": "generate", "prompt": [1, 2], "max_tokens": 3, "stop_ids": [9]},
+        {"cmd": "generate", "prompt": "hi", "max_tokens": 3, "stop_ids": []},
+        {"cmd": "sing"},
+    ]
+    lines = [json.dumps(r) for r in requests] + [
+        "not json",
+        "",
+        '{"cmd": "quit"}',
+        '{"cmd": "sing"}',
+    ]
+    out = io.StringIO()
+    _FakeLlamaEngine.closed = 0
+    rc = worker.serve(io.StringIO("\n".join(lines) + "\n"), out, _FakeLlamaEngine, {"ok": True})
+    replies = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert rc == 0 and len(replies) == 11  # hello + 10 answers; nothing after quit
+    hello, early, missing, load, passes, bad_rows, gen, bad_prompt, unknown, junk, quit_ = replies
+    assert hello == {"ok": True}
+    assert not early["ok"] and "before 'load'" in early["error"]
+    assert not missing["ok"] and "no such model file" in missing["error"]
+    assert load == {"ok": True, "info": {"model": "m.gguf", "n_threads": 2}}
+    assert passes == {"ok": True, "seconds": {"1": [0.003, 0.003], "2": [0.006, 0.006]}}
+    assert not bad_rows["ok"] and "positive" in bad_rows["error"]
+    assert gen["ok"] and gen["token_ids"] == [7, 7, 9] and len(gen["token_times"]) == 3
+    assert not bad_prompt["ok"] and "'prompt' must be a list of integers" in bad_prompt["error"]
+    assert not unknown["ok"] and "unknown command 'sing'" in unknown["error"]
+    assert not junk["ok"] and "JSONDecodeError" in junk["error"]
+    assert quit_ == {"ok": True} and _FakeLlamaEngine.closed == 1
+
+    failed = io.StringIO()  # llama_cpp did not import: say so once, answer nothing else
+    hello_err = {"ok": False, "error": "cannot import llama_cpp: ModuleNotFoundError"}
+    assert worker.serve(io.StringIO('{"cmd": "quit"}\n'), failed, _FakeLlamaEngine, hello_err) == 1
+    assert [json.loads(x) for x in failed.getvalue().splitlines()] == [hello_err]
+
+
+def test_vs_llamacpp_missing_environment_says_how_to_create_it(tmp_path: Path) -> None:
+    vs = _bench_script("vs_llamacpp")
+    venv = tmp_path / "llamacpp-venv"
+    with pytest.raises(QuickdraftError) as info:
+        vs.llamacpp_python(venv)
+    msg = str(info.value)
+    assert f"python3 -m venv {venv}" in msg
+    assert f'CMAKE_ARGS="-DGGML_NATIVE=ON" {venv}/bin/pip install llama-cpp-python==0.3.36' in msg
+
+    # A venv whose python cannot import llama_cpp (quickdraft's own): the real worker starts,
+    # reports the failed import on its first line, and the message says to install into it.
+    import sys
+
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    with pytest.raises(QuickdraftError) as info:
+        vs.LlamaCppWorker(venv)
+    msg = str(info.value)
+    assert "cannot import llama_cpp" in msg and f"Install it into {venv}" in msg
+    assert "-m venv" not in msg and "llama-cpp-python==0.3.36" in msg
+
+
+def test_vs_llamacpp_pass_table_and_decode_summary() -> None:
+    vs = _bench_script("vs_llamacpp")
+    seconds = {
+        "llama.cpp": {1: [0.06, 0.05, 0.07], 4: [0.2, 0.1, 0.3]},
+        "quickdraft": {1: [0.03, 0.04, 0.05], 4: [0.05, 0.07, 0.06]},
+    }
+    one, four = vs.pass_table(seconds)
+    assert (one["rows"], one["llama_cpp_ms"], one["quickdraft_ms"]) == (1, 60.0, 40.0)
+    assert one["llama_cpp_min_ms"] == 50.0 and one["quickdraft_min_ms"] == 30.0
+    assert one["time_ratio"] == pytest.approx(40 / 60, abs=1e-3)
+    assert one["llama_cpp_rel_first"] == 1.0
+    assert four["time_ratio"] == pytest.approx(0.3)  # 60 ms / 200 ms
+    assert four["llama_cpp_rel_first"] == pytest.approx(200 / 60, abs=0.01)
+    assert four["quickdraft_rel_first"] == pytest.approx(1.5)
+
+    def rec(who: str, i: int, tps: float | None, ids: list[int]) -> Any:
+        return vs.DecodeRecord(who, i, f"p{i}", 10, len(ids), tps, 0.5, 1.0, "stop", ids)
+
+    records = [
+        rec("llama.cpp", 0, 10.0, [1, 2, 3]),
+        rec("none", 0, 5.0, [1, 2, 4]),
+        rec("auto", 0, 10.0, [1, 2, 4]),
+        rec("llama.cpp", 1, 20.0, [5, 6]),
+        rec("none", 1, 10.0, [5, 6]),
+        rec("auto", 1, 30.0, [5, 7]),  # a drafter that changed the output: must be flagged
+    ]
+    vs.mark_identical(records)
+    assert [r.identical_to_plain for r in records] == [False, True, True, True, True, False]
+    assert [r.common_prefix_with_plain for r in records] == [2, 3, 3, 2, 2, 1]
+    assert vs.lossless_failures(records) == ["auto on p1"]
+    lc, none, auto = vs.decode_summary(records, ["llama.cpp", "none", "auto"])
+    assert lc["tokens_per_second_median"] == 15.0 and lc["ratio_to_llama_cpp"] == 1.0
+    assert lc["identical_to_plain"] == "1/2" and lc["identical_fraction"] == 0.5
+    assert none["ratio_to_llama_cpp"] == 0.5 and none["paired_ratio_median"] == 0.5
+    assert auto["tokens_per_second_median"] == 20.0
+    assert auto["ratio_to_llama_cpp"] == pytest.approx(20 / 15, abs=1e-3)
+    assert auto["paired_ratio_median"] == pytest.approx((1.0 + 1.5) / 2)
+    md = "\n".join(
+        vs.markdown_tables(
+            {"passes": {"table": [one, four]}, "decode": {"summary": [lc, none, auto]}}
+        )
+    )
+    assert "| 4 | 200.0 | 60.0 | 0.30 |" in md
+    assert "| quickdraft auto | 20.0 |" in md and "| llama.cpp | 15.0 |" in md

@@ -41,8 +41,9 @@ from quickdraft.spec.factory import DEFAULT_DRAFTS, SpecConfig, build_drafter
 from quickdraft.spec.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
-METHODS = ("none", "ngram", "draft", "auto")
-NOT_YET = ("eagle3",)  # accepted once implemented
+METHODS = ("none", "ngram", "draft", "auto", "eagle3")  # eagle3 is written eagle3=HEAD_PATH
+EAGLE3 = "eagle3"
+NOT_YET: tuple[str, ...] = ()  # accepted once implemented
 WARMUP_TOKENS = 8
 
 
@@ -206,8 +207,16 @@ class MethodOptions:
 
 def parse_methods(text: str) -> list[str]:
     """Validate a comma-separated method list (may be empty when only endpoints are measured)."""
-    methods = [m.strip().lower() for m in text.split(",") if m.strip()]
+    methods = [_method_token(m) for m in text.split(",") if m.strip()]
     for m in methods:
+        if m.startswith(EAGLE3 + "="):
+            if not m.split("=", 1)[1]:
+                raise QuickdraftError("method 'eagle3=' needs a head path after '=': eagle3=PATH")
+            continue
+        if m == EAGLE3:
+            raise QuickdraftError(
+                "method 'eagle3' takes the EAGLE-3 head to run: write eagle3=PATH (a head folder or .safetensors)"
+            )
         if m in NOT_YET:
             raise QuickdraftError(
                 f"method {m!r} is not available yet; choose from {', '.join(METHODS)}"
@@ -217,6 +226,17 @@ def parse_methods(text: str) -> list[str]:
     if len(set(methods)) != len(methods):
         raise QuickdraftError(f"--methods lists a method twice: {text!r}")
     return methods
+
+
+def _method_token(text: str) -> str:
+    """A method name, lower-cased; an ``eagle3=PATH`` keeps its path as written."""
+    name, sep, path = text.strip().partition("=")
+    return name.strip().lower() + (sep + path.strip() if sep else "")
+
+
+def method_name(method: str) -> str:
+    """The method without its argument: ``eagle3=PATH`` -> eagle3."""
+    return method.partition("=")[0]
 
 
 def default_draft(model_spec: str) -> str | None:
@@ -265,10 +285,14 @@ def build_in_process(
     out: list[InProcessContender] = []
     for m in methods:
         rss = proc.memory_info().rss
-        draft = draft_model_for(model_spec, opts) if m == "draft" else m
-        drafter, k = build_drafter(
-            SpecConfig(draft=draft, num_draft=opts.num_draft), target, opts.dtype, say
-        )
+        drafter: Drafter | None
+        if method_name(m) == EAGLE3:  # reported under its full name: eagle3=PATH says which head
+            drafter, k = _eagle3_contender(m.split("=", 1)[1], target, opts, say)
+        else:
+            draft = draft_model_for(model_spec, opts) if m == "draft" else m
+            drafter, k = build_drafter(
+                SpecConfig(draft=draft, num_draft=opts.num_draft), target, opts.dtype, say
+            )
         out.append(
             InProcessContender(m, engine, drafter, k, (proc.memory_info().rss - rss) / 2**20)
         )
@@ -281,6 +305,20 @@ def build_in_process(
             )
         )
     return out
+
+
+def _eagle3_contender(
+    head: str, target: LoadedModel, opts: MethodOptions, say: Callable[[str], None]
+) -> tuple[Drafter, int]:
+    """The EAGLE-3 head alone (no n-gram beside it), trees sized by its cost model unless
+    --num-draft fixes them. No canary: measuring the head, good or bad, is the point."""
+    from quickdraft.spec.factory import build_eagle3_drafter
+
+    if not Path(head).expanduser().exists():
+        raise QuickdraftError(f"no such EAGLE-3 head: {head}")
+    drafter = build_eagle3_drafter(head, target, opts.num_draft, say, canary=False)
+    assert drafter is not None  # only the canary refuses a head
+    return drafter, opts.num_draft or drafter.shape.max_nodes
 
 
 def load_tokenizer(model_spec: str) -> Tokenizer:

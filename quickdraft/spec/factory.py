@@ -1,15 +1,25 @@
-"""Build the drafter a user asked for: ``--draft auto|none|ngram|MODEL`` and ``--num-draft K|auto``."""
+"""Build the drafter a user asked for: ``--draft auto|none|ngram|MODEL|HEAD`` and ``--num-draft K|auto``.
+
+HEAD is an EAGLE-3 draft head for the target (a folder or .safetensors file, recognised by its
+config / tensor names): it drafts alongside n-gram lookup in the AutoDrafter, after a load-time
+canary checked that it pays (see quickdraft.spec.eagle3.canary).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from quickdraft import zoo
 from quickdraft.errors import QuickdraftError
-from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.spec.base import Drafter
 from quickdraft.spec.draft_model import DraftModelDrafter, check_same_tokenizer
+from quickdraft.spec.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
+from quickdraft.spec.eagle3.io import is_head, load_head, with_convention
 from quickdraft.spec.ngram import NGramDrafter
 from quickdraft.spec.policy import (
     Acceptance,
@@ -22,13 +32,14 @@ from quickdraft.spec.policy import (
 # Zoo targets and the small model of the same family that drafts for them in --draft auto.
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 MAX_AUTO_K = 8
-NGRAM_PRIOR, DRAFT_PRIOR = 0.6, 0.7
+NGRAM_PRIOR, DRAFT_PRIOR, EAGLE_PRIOR = 0.6, 0.7, 0.8
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    draft: str = "auto"  # auto | none | ngram | a model (zoo name, .gguf, folder)
+    draft: str = "auto"  # auto | none | ngram | a model (zoo name, .gguf, folder) | an EAGLE-3 head
     num_draft: int | None = None  # None = chosen per step by the cost model
+    canary: bool = True  # EAGLE-3 heads: check with a short decode at load that the head pays
 
     def __post_init__(self) -> None:
         if self.num_draft is not None and not 1 <= self.num_draft <= 32:
@@ -56,10 +67,17 @@ def build_drafter(
     if cfg.num_draft is not None and len(base) == 1:
         return base[0][0], cfg.num_draft  # fixed k, one drafter: no policy needed
     say("measuring this machine's pass costs for the speculation policy ...")
-    cost = TargetCost(measure_pass_seconds(target.model))
-    candidates = [Candidate(d, Acceptance(prior, MAX_AUTO_K), per_token, cheap=per_token == 0.0)
+    eagles = [d for d, _, _ in base if isinstance(d, Eagle3Drafter)]
+    rows = cost_rows(target.model.device) if eagles else (1, 2, 4, 8)
+    cost = TargetCost(measure_pass_seconds(target.model, rows=rows))
+    # An EAGLE-3 drafter sizes its own trees each step (its proposal is previewed like n-gram's,
+    # cheap=True) from the same pass costs, which the AutoDrafter observes for both.
+    max_k = max([MAX_AUTO_K, *(d.shape.max_nodes for d in eagles)])
+    for d in eagles:
+        d.cost, d.observe_cost = cost, False
+    candidates = [Candidate(d, Acceptance(prior, max_k), per_token, cheap=per_token == 0.0)
                   for d, prior, per_token in base]
-    return AutoDrafter(candidates, cost, fixed_k=cfg.num_draft), cfg.num_draft or MAX_AUTO_K
+    return AutoDrafter(candidates, cost, fixed_k=cfg.num_draft), cfg.num_draft or max_k
 
 
 def _base_drafters(
@@ -67,9 +85,19 @@ def _base_drafters(
 ) -> list[tuple[Drafter, float, float]]:
     """(drafter, acceptance prior, seconds per drafted token) for each drafter in play."""
     out: list[tuple[Drafter, float, float]] = []
-    if cfg.draft in ("auto", "ngram"):
+    head = eagle3_head_path(cfg.draft)
+    if cfg.draft in ("auto", "ngram") or head is not None:
         out.append((NGramDrafter(), NGRAM_PRIOR, 0.0))
-    spec = cfg.draft if cfg.draft not in ("auto", "ngram") else _default_draft(target)
+    if head is not None:
+        eagle = build_eagle3_drafter(head, target, cfg.num_draft, say, canary=cfg.canary, standalone=False)
+        if eagle is not None:
+            out.append((eagle, EAGLE_PRIOR, 0.0))
+            return out
+        spec = _default_draft(target)  # the head failed its canary: n-gram and the zoo's draft model
+    elif cfg.draft == "ngram":
+        return out  # n-gram lookup alone
+    else:
+        spec = cfg.draft if cfg.draft != "auto" else _default_draft(target)
     if spec is not None:
         say(f"loading draft model {spec} ...")
         draft = load_model(spec, dtype=dtype, max_context=target.model.max_len)
@@ -84,3 +112,67 @@ def _default_draft(target: LoadedModel) -> str | None:
         if target.path == zoo.cached_path(name):
             return draft
     return None
+
+
+# ------------------------------------------------------------------------------------ EAGLE-3
+
+
+def eagle3_head_path(spec: str) -> Path | None:
+    """Where the EAGLE-3 head named by ``spec`` lives, or None when ``spec`` names no head
+    (a keyword, a draft model, or a path that does not exist: load_model reports that)."""
+    if spec in ("auto", "none", "ngram"):
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists() and zoo.lookup(spec) is not None:
+        path = resolve(spec)  # a zoo entry (a head once one is shipped)
+    return path if path.exists() and is_head(path) else None
+
+
+def build_eagle3_drafter(
+    spec: str | Path,
+    target: LoadedModel,
+    num_draft: int | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+    canary: bool = True,
+    standalone: bool = True,
+) -> Eagle3Drafter | None:
+    """Load the head at ``spec`` for ``target``; None when the canary finds it useless.
+
+    The canary decodes a few tokens with the head (quickdraft.spec.eagle3.canary). When it fails
+    and the file did not name its aux layer convention, the other convention is tried before
+    giving up. ``num_draft``: fixed tree size (no cost model). ``standalone``: the drafter measures
+    and tracks the target's pass costs itself (not inside an AutoDrafter, which shares its own).
+    """
+    from quickdraft.spec.eagle3.canary import CANARY_TOKENS, MIN_TAU, canary_tau  # runs the engine
+
+    say(f"loading EAGLE-3 head {spec} ...")
+    head, info = load_head(spec, target.model, log=say)
+    if canary:
+        tau = canary_tau(target, head)
+        if tau < MIN_TAU:
+            other = "input" if info.convention == "output" else "output"
+            alt = with_convention(head.config, info, other, target.config.num_hidden_layers)
+            if alt is not None:
+                original, head.config = head.config, alt[0]
+                alt_tau = canary_tau(target, head)
+                if alt_tau >= MIN_TAU:
+                    say(f"the head's aux layer ids work in the {other} convention instead: {alt[1].describe()}")
+                    tau = alt_tau
+                else:
+                    head.config = original
+        if tau < MIN_TAU:
+            msg = (
+                f"the EAGLE-3 head {spec} drafts badly for this model (canary: tau {tau:.2f} < {MIN_TAU} over "
+                f"{CANARY_TOKENS} tokens), so it is NOT used; check that it was trained for exactly this target "
+                "model and that its aux layer ids are read in the right convention (input vs output of a layer)"
+            )
+            warnings.warn(msg, stacklevel=2)
+            say("WARNING: " + msg)
+            return None
+        say(f"EAGLE-3 canary: tau {tau:.2f} over {CANARY_TOKENS} tokens")
+    shape = default_shape(target.model.device)
+    if num_draft is not None:
+        shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))
+    cost = TargetCost(measure_pass_seconds(target.model, rows=cost_rows(target.model.device))) if standalone else None
+    return Eagle3Drafter(head, target.model, shape=shape, cost=cost, policy=num_draft is None)
+

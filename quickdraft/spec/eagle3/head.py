@@ -1,0 +1,400 @@
+"""The EAGLE-3 draft head: one Llama decoder layer that reads the target's hidden states.
+
+EAGLE-3 (Li et al. 2025, arXiv 2503.01840) drafts with a single transformer layer whose input is
+the target's own features, so it costs a fraction of a draft model's pass and accepts more. Per
+row the head sees two things:
+
+* a feature ``[H]``: for the first row of a drafting run, ``fc`` applied to the concatenation of
+  the target's hidden states at a few layers (low, middle, high: ``aux_layers``); for a row that
+  continues a draft, the head's own output ``h`` of the row before (training-time test makes the
+  head robust to that substitution);
+* the embedding of the token that FOLLOWS the feature's position.
+
+Alignment (used by the drafter and the trainer alike): row j holds the feature of target position
+j, the embedding of token j+1, RoPE position j, and its logits predict token j+2. Drafting on from
+row j, the next row holds (h_j, embedding of the drafted token j+2) at position j+1.
+
+Layer math (parameter names are those of the published checkpoints, so safetensors load as is)::
+
+    residual = feature                       (hidden_norm(feature) if norm_before_residual)
+    x = cat([input_layernorm(embed), hidden_norm(feature)], -1)        [T, 2H]
+    h = residual + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
+    h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                                          [T, draft_vocab]
+
+Draft ids map to target ids through ``d2t`` (target = draft + d2t[draft]); ``t2d`` marks the target
+ids the draft vocabulary covers. Aux layers use quickdraft's convention: the INPUT hidden state of
+decoder layer i (Hugging Face ``output_hidden_states[i]``); see ``io.py`` for the files' conventions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quickdraft.cache import KVCache
+from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, Step, causal_mask
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Shape of an EAGLE-3 head. ``aux_layers`` are INPUT-of-layer ids of the target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layers: tuple[int, ...]
+    target_hidden_size: int
+    norm_before_residual: bool = False  # a variant: the residual is hidden_norm(feature)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
+        if not self.aux_layers:
+            raise QuickdraftError("an EAGLE-3 head needs at least one aux layer of the target")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise QuickdraftError(
+                f"the head's draft vocabulary ({self.draft_vocab_size}) must be between 1 and the "
+                f"target vocabulary ({self.vocab_size})"
+            )
+
+    @classmethod
+    def for_target(
+        cls,
+        target: ModelConfig,
+        aux_layers: tuple[int, ...] | None = None,
+        draft_vocab_size: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> Eagle3Config:
+        """A head shaped like one layer of ``target`` (what trainers build), default aux layers."""
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
+            aux_layers=aux_layers if aux_layers is not None else default_aux_layers(target.num_hidden_layers),
+            target_hidden_size=target.hidden_size,
+        )
+
+    def model_config(self, hidden_size: int | None = None) -> ModelConfig:
+        """The quickdraft ModelConfig of the head's layer (for Rope, Attention, MLP)."""
+        return ModelConfig(
+            model_type="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=hidden_size or self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def to_hf_config(self, aux_convention: str = "output") -> dict[str, Any]:
+        """The config.json of the Hugging Face EAGLE-3 layout.
+
+        ``eagle_config.eagle_aux_hidden_state_layer_ids`` is written in ``aux_convention``
+        ("output": ids of the layers whose OUTPUT is captured, SpecForge's convention, = ours - 1;
+        "input": ours) and the convention is named next to it, so no reader has to guess.
+        """
+        if aux_convention not in ("input", "output"):
+            raise ValueError(f"aux_convention must be 'input' or 'output', got {aux_convention!r}")
+        ids = list(self.aux_layers) if aux_convention == "input" else [i - 1 for i in self.aux_layers]
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "num_hidden_layers": 1,
+            "tie_word_embeddings": False,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": ids,
+                "quickdraft_aux_layer_convention": aux_convention,
+            },
+        }
+        if self.norm_before_residual:
+            d["norm_before_residual"] = True
+        return d
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any], aux_layers: tuple[int, ...]) -> Eagle3Config:
+        """Read the head's shape from a Hugging Face config dict; ``aux_layers`` (INPUT ids) are
+        resolved by the loader, which knows the target and the file's convention."""
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            vocab = int(d["vocab_size"])
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(d),
+                rope_scaling=_rope_scaling(d),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                vocab_size=vocab,
+                draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
+                aux_layers=aux_layers,
+                target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                norm_before_residual=bool(d.get("norm_before_residual", False)),
+            )
+        except KeyError as exc:
+            raise QuickdraftError(f"the EAGLE-3 head's config lacks the field {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low/middle/high layers in the INPUT convention: (2, L//2, L-3), as the EAGLE
+    authors' code and vLLM capture them (clamped into range for very shallow test models)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    return tuple(min(max(i, 0), num_layers) for i in ids)
+
+
+class _HeadAttention(Attention):
+    """quickdraft's batch-invariant attention with q/k/v reading 2H inputs and o_proj writing H."""
+
+    def __init__(self, cfg: Eagle3Config, rope: Rope) -> None:
+        super().__init__(cfg.model_config(hidden_size=2 * cfg.hidden_size), rope)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config, rope: Rope) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = _HeadAttention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.model_config())
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def attention_input(self, embeds: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        """(x [.., 2H] for q/k/v, residual [.., H])."""
+        normed = self.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def forward(self, embeds: Tensor, features: Tensor, step: Step) -> Tensor:
+        x, residual = self.attention_input(embeds, features)
+        h = residual + self.self_attn(x, 0, step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head with the published parameter names (``fc``, ``midlayer.*``, ``norm``,
+    ``lm_head``, buffers ``d2t``/``t2d``, optional ``embed_tokens``)."""
+
+    def __init__(self, cfg: Eagle3Config, max_len: int | None = None, own_embedding: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        self.max_len = max_len or cfg.max_position_embeddings
+        h = cfg.hidden_size
+        self.rope = Rope(cfg.model_config(), self.max_len)
+        self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg, self.rope)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
+        self.d2t: Tensor
+        self.t2d: Tensor
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True  # identity map until a vocabulary mapping is loaded
+        self.register_buffer("t2d", t2d)
+
+    # ------------------------------------------------------------------ shared helpers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        cfg = self.config
+        return KVCache(1, cfg.num_key_value_heads, cfg.head_dim, max_len or self.max_len, self.dtype, self.device)
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """``[.., n * Ht]`` concatenated aux hidden states -> ``[.., H]`` feature.
+
+        Rows [T, n * Ht] go through the batch-invariant Linear; batches [B, T, n * Ht] (training,
+        differentiable) through plain F.linear.
+        """
+        x = target_hidden.to(self.dtype)
+        return self.fc(x) if x.dim() == 2 else F.linear(x, self.fc.weight)
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (target = draft + d2t[draft])."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab_map(self, d2t: Tensor) -> None:
+        """Install a draft->target offset table and derive t2d from it."""
+        with torch.no_grad():
+            self.d2t.copy_(d2t.to(self.d2t.device, torch.long))
+            self.t2d.zero_()
+            self.t2d[self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))] = True
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        embeds: Tensor,
+        features: Tensor,
+        cache: KVCache,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        num_logits: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Run T rows, writing their keys/values into the next T slots of ``cache`` (1 layer).
+
+        embeds [T, H] (token j+1's embedding), features [T, H] (fused target features or the
+        head's previous ``h``), positions [T] (default: the slots), mask [T, start + T] bool for
+        tree rows (default: causal). Returns (draft logits [n, Vd] float32 for the last
+        ``num_logits`` rows (all by default), h [T, H]). Row results do not depend on how many
+        rows share the call (quickdraft's blocked Linear and per-row attention).
+        """
+        t = embeds.shape[0]
+        start, end = cache.reserve(t)
+        if positions is None:
+            positions = torch.arange(start, end, device=embeds.device)
+        tree = mask is not None
+        if mask is None:
+            mask = causal_mask(start, t, embeds.device)
+        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+        h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
+        cache.advance(t)
+        out = h if num_logits is None else h[-num_logits:]
+        return self.lm_head(self.norm(out)).float(), h
+
+    # ------------------------------------------------------------------ training
+
+    def train_forward(
+        self,
+        embeds: Tensor,
+        features: Tensor,
+        positions: Tensor,
+        cache: list[tuple[Tensor, Tensor]] | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """Differentiable batched forward for training, with the training-time-test unroll.
+
+        embeds, features [B, T, H]; positions [B, T] or [T] long (RoPE positions; unroll step s
+        uses the step-0 positions + s). ``cache``: keys/values [B, Hkv, T, D] returned by the
+        previous unroll steps of the same batch, step 0 first. Attention, as in EAGLE-3's
+        training-time test: row t attends causally to the step-0 keys 0..t and, from every later
+        step including this one, only to the key at its own index t (its own drafted ancestors).
+        With no cache (step 0) this is plain causal attention. ``attention_mask`` [B, T] bool
+        (True = real token) hides padded keys. Returns (logits [B, T, Vd] float32, h [B, T, H],
+        this step's (k, v)): append the latter to ``cache`` for the next unroll step.
+        Plain PyTorch ops only (no inference mode, no KV cache), so autograd works.
+        """
+        layer = self.midlayer
+        attn = layer.self_attn
+        b, t, _ = embeds.shape
+        x, residual = layer.attention_input(embeds.to(self.dtype), features.to(self.dtype))
+        q = F.linear(x, attn.q_proj.weight).view(b, t, attn.nh, attn.hd).transpose(1, 2)  # [B, Hq, T, D]
+        k = F.linear(x, attn.k_proj.weight).view(b, t, attn.nkv, attn.hd).transpose(1, 2)  # [B, Hkv, T, D]
+        v = F.linear(x, attn.v_proj.weight).view(b, t, attn.nkv, attn.hd).transpose(1, 2)
+        pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(b, t)
+        q, k = _rope_batched(self.rope, q, pos), _rope_batched(self.rope, k, pos)
+        steps = [*(cache or []), (k, v)]
+        out = _ttt_attention(q, steps, attn.scale, attention_mask)  # [B, Hq, T, D]
+        a = F.linear(out.transpose(1, 2).reshape(b, t, attn.nh * attn.hd), attn.o_proj.weight)
+        h = residual + a
+        mlp = layer.mlp
+        normed = layer.post_attention_layernorm(h)
+        h = h + F.linear(F.silu(F.linear(normed, mlp.gate_proj.weight)) * F.linear(normed, mlp.up_proj.weight),
+                         mlp.down_proj.weight)
+        logits = F.linear(self.norm(h), self.lm_head.weight).float()
+        return logits, h, (k, v)
+
+
+def _rope_batched(rope: Rope, x: Tensor, positions: Tensor) -> Tensor:
+    """Rotate x [B, heads, T, D] by positions [B, T] (the same rotate-half math as Rope)."""
+    cos = rope.cos[positions].to(x.dtype).unsqueeze(1)  # [B, 1, T, D]
+    sin = rope.sin[positions].to(x.dtype).unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _ttt_attention(
+    q: Tensor, steps: list[tuple[Tensor, Tensor]], scale: float, attention_mask: Tensor | None
+) -> Tensor:
+    """Softmax over [causal step-0 keys, diagonal keys of steps 1..s] per query row."""
+    b, nh, t, d = q.shape
+    k0, v0 = steps[0]
+    groups = nh // k0.shape[1]
+
+    def expand(x: Tensor) -> Tensor:  # [B, Hkv, T, D] -> [B, Hq, T, D]
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    scores0 = torch.matmul(q, expand(k0).transpose(-1, -2)) * scale  # [B, Hq, T, T]
+    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    allowed = allowed.view(1, 1, t, t)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool().view(b, 1, 1, t)
+    scores0 = scores0.masked_fill(~allowed, float("-inf"))
+    diag = [(q * expand(ki)).sum(-1, keepdim=True) * scale for ki, _ in steps[1:]]  # [B, Hq, T, 1] each
+    scores = torch.cat([scores0, *diag], dim=-1).float()
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    probs = torch.nan_to_num(probs)  # fully padded rows: no key visible
+    out = torch.matmul(probs[..., :t], expand(v0))
+    for i, (_, vi) in enumerate(steps[1:]):
+        out = out + probs[..., t + i : t + i + 1] * expand(vi)
+    return out
+
+
+def init_head_weights(head: Eagle3Head, generator: torch.Generator | None = None, gain: float = 1.0) -> None:
+    """Random weights (std gain/sqrt(fan_in), norms near 1): for tests and as a trainer's start."""
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator).to(p))
+            elif name == "embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=generator).to(p))
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator).to(p) * (gain / math.sqrt(p.shape[-1])))
