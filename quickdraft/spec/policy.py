@@ -160,7 +160,15 @@ class AutoDrafter:
             c.idle += 1
             preview = c.drafter.propose(budget) if c.cheap else None
             limit = min(budget, preview.k if preview is not None else budget)
-            k, rate = (min(self.fixed_k, limit), float("inf")) if self.fixed_k else best_k(self.cost, c, limit)
+            estimate = getattr(c.drafter, "expected_tokens", None) if preview is not None else None
+            if self.fixed_k:
+                k, rate = min(self.fixed_k, limit), float("inf")
+            elif estimate is not None and limit > 0:
+                # The drafter sized its own proposal (e.g. an EAGLE tree from its confidences) and
+                # already paid for drafting it: compare its own estimate per target pass.
+                k, rate = limit, estimate(limit) / self.cost(limit + 1)
+            else:
+                k, rate = best_k(self.cost, c, limit)
             if k == 0 and c.idle > PROBE_EVERY and limit > 0:
                 k, rate = min(PROBE_K, limit), float("inf")  # probe: refresh stale estimates
             if k > 0 and rate > best[0]:

@@ -414,6 +414,16 @@ class Eagle3Drafter:
 
     # ------------------------------------------------------------------ cost model
 
+    def expected_tokens(self, n: int) -> float:
+        """Tokens a verify pass over the first ``n`` nodes of the last proposal should emit
+        (bonus included): 1 + alpha * their path confidences. Lets an AutoDrafter compare this
+        drafter's trees with other drafters' chains on the same footing."""
+        last = self._last
+        if last is None:
+            return 1.0
+        return 1.0 + self.alpha * sum(last.conf[: min(n, last.used)])
+
+
     def _rate(self, conf_sum: float, n: int, passes: int) -> float:
         return (1.0 + self.alpha * conf_sum) / (self.cost(n + 1) + self.head_seconds * passes)
 
