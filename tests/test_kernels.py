@@ -1,8 +1,10 @@
 """Quantized GGML linear layers: reference dequantization, native kernels, batch invariance.
 
 The pure-PyTorch dequantization must match ``gguf.quants.dequantize`` bit for bit (random blocks
-and real tensors of the shipped models). The native kernels must match ``x @ dequant.T`` within
-fp32 accumulation error, and give a row bitwise the same result whatever rows come with it.
+and real tensors of the shipped models). In f32 mode the native kernels must match
+``x @ dequant.T`` within fp32 accumulation error; in q8 mode they must quantize x bit for bit like
+the torch reference and match ``q8(x) @ dequant.T`` within float rounding. Either way a row's
+result must be bitwise the same whatever rows come with it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from quickdraft import kernels
+from quickdraft.errors import QuickdraftError
 from quickdraft.quant import (
     SUPPORTED_TYPES,
     GGMLLinear,
@@ -27,6 +30,15 @@ from quickdraft.quant import (
     kernels_available,
     reference_mode,
     set_reference_mode,
+)
+from quickdraft.quant.ggml import (
+    activation_block_size,
+    default_activation_mode,
+    ggml_linear_multi,
+    q8_activations_reference,
+    quantize_activations_reference,
+    set_activation_mode,
+    set_default_activation_mode,
 )
 
 Q = GGMLQuantizationType
@@ -73,12 +85,72 @@ def assert_close_fp32(y: torch.Tensor, exact: torch.Tensor, x: torch.Tensor, w: 
     )
 
 
+def f32_linear(*args, **kwargs) -> GGMLLinear:
+    """A GGMLLinear in the exact fp32-activation mode."""
+    return GGMLLinear(*args, activations="f32", **kwargs)
+
+
+# Byte offset of the fp16 min field (Q4_1: m, Q4_K: dmin): the part of w that is not scale * q.
+MIN_FIELD = {Q.Q4_1: 2, Q.Q4_K: 2}
+
+
+def weight_magnitude(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """|scale * q| + |min| per weight: what the q8 kernels' partial sums are made of. (A Q4_K
+    weight d*sc*q - dmin*m is summed as two separate terms, so their sizes, not the size of
+    their difference, bound the rounding; Q6_K's (q - 32) is summed as q and 32 in different
+    accumulator lanes, so |q| + 32 <= |q - 32| + 64 counts.)"""
+    w = gguf_dequantize(raw, qtype)
+    if qtype == Q.Q6_K:
+        blocks = raw.reshape(-1, 210)
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+        sc = np.abs(d * blocks[:, 192:208].view(np.int8).astype(np.float32))  # [nb, 16]
+        return np.abs(w) + 64 * np.repeat(sc, 16, axis=1).reshape(w.shape)
+    if qtype not in MIN_FIELD:
+        return np.abs(w)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, ts).copy()
+    blocks[:, MIN_FIELD[qtype] : MIN_FIELD[qtype] + 2] = 0  # fp16 +0: the min term vanishes
+    w0 = gguf_dequantize(blocks.reshape(raw.shape), qtype)
+    return np.abs(w0) + np.abs(w0 - w)
+
+
+def q8_ref(x: torch.Tensor, raw: np.ndarray, qtype: GGMLQuantizationType, bias=None):
+    """(exact q8-mode answer in fp64, error bound): q8(x) @ dequant(W).T (+ bias)."""
+    bs = activation_block_size(qtype)
+    q, d, _ = quantize_activations_reference(x, bs)
+    t, k = x.shape
+    xq = (q.double().reshape(t, -1, bs) * d.double().unsqueeze(-1)).reshape(t, k)
+    w = torch.from_numpy(gguf_dequantize(raw, qtype)).double()
+    y = xq @ w.T
+    if bias is not None:
+        y = y + bias.double()
+    mag = xq.abs() @ torch.from_numpy(weight_magnitude(raw, qtype)).double().T
+    blocks = k // bs
+    # per block: the scale product, two fused multiply-adds and the int -> float conversion
+    # round; the 8-lane accumulator sums the blocks; the horizontal sum and the bias add 4 more
+    tol = (4 * blocks + 8) * 2**-24 * mag + (
+        2**-24 * bias.double().abs() if bias is not None else 0
+    )
+    return y, tol + 1e-30
+
+
+def assert_close_q8(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype, bias=None) -> None:
+    exact, tol = q8_ref(x, raw, qtype, bias)
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32
+    assert torch.all(err <= tol), (
+        f"{qtype.name}: max err {err.max().item():.3g}, max err/tol {(err / tol).max().item():.3g}"
+    )
+
+
 @pytest.fixture(autouse=True)
 def _follow_env():
-    """Every test starts and ends with the default path selection."""
+    """Every test starts and ends with the default path selection and activation mode."""
     set_reference_mode(None)
+    set_default_activation_mode(None)
     yield
     set_reference_mode(None)
+    set_default_activation_mode(None)
 
 
 requires_kernels = pytest.mark.skipif(
@@ -139,10 +211,12 @@ def _check_real(tensors) -> None:
         got = dequantize_reference(t.tensor_type, torch.from_numpy(raw), k)
         assert np.array_equal(bits(got), bits(expected)), t.name
         if kernels_available():
-            lin = GGMLLinear(t.tensor_type, torch.from_numpy(raw), k)
+            lin = f32_linear(t.tensor_type, torch.from_numpy(raw), k)
             assert np.array_equal(bits(lin.dequantize()), bits(expected)), t.name
             x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
             assert_close_fp32(lin(x), ref_linear(x, expected), x, expected)
+            lin.activations = "q8"
+            assert_close_q8(lin(x), x, raw, t.tensor_type)
 
 
 @pytest.mark.slow
@@ -156,7 +230,7 @@ def test_real_tensors_qwen05(qwen05_gguf):
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernels: accuracy, batch invariance, bias, embedding
+# Kernels, f32 activations: accuracy, batch invariance, bias, embedding
 # ------------------------------------------------------------------------------------------------
 
 
@@ -168,7 +242,7 @@ def test_kernel_matches_reference_all_row_counts(qtype):
     n, k = 61, 2 * max(bs, 256) + (bs if bs == 32 else 0)
     raw = random_raw(qtype, n, k, seed=5)
     w = gguf_dequantize(raw, qtype)
-    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    lin = f32_linear(qtype, torch.from_numpy(raw), k)
     g = torch.Generator().manual_seed(1)
     for t in ROWS:
         x = torch.randn(t, k, generator=g)
@@ -183,7 +257,7 @@ def test_batch_invariance(qtype):
     """Row i of a T-row call is bitwise the row computed alone, whatever the other rows are."""
     bs, _ = GGML_QUANT_SIZES[qtype]
     n, k = 45, 2 * max(bs, 256)
-    lin = GGMLLinear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=7)), k)
+    lin = f32_linear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=7)), k)
     g = torch.Generator().manual_seed(2)
     probe = torch.randn(3, k, generator=g)
     alone = [lin(probe[i : i + 1]) for i in range(3)]
@@ -202,7 +276,7 @@ def test_long_prefill_matches_and_is_batch_invariant():
     qtype, n, k = Q.Q8_0, 24, 4096
     raw = random_raw(qtype, n, k, seed=13)
     w = gguf_dequantize(raw, qtype)
-    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    lin = f32_linear(qtype, torch.from_numpy(raw), k)
     x = torch.randn(1100, k, generator=torch.Generator().manual_seed(4))
     y = lin(x)
     assert_close_fp32(y, ref_linear(x, w), x, w)
@@ -214,17 +288,19 @@ def test_long_prefill_matches_and_is_batch_invariant():
 def test_batch_invariance_across_threads():
     """The thread count changes which thread computes a row, never its bits."""
     qtype, n, k = Q.Q4_K, 203, 512
-    lin = GGMLLinear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=8)), k)
+    lin = f32_linear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=8)), k)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
     try:
-        outs = []
-        for nt in (1, 2, 3):
-            torch.set_num_threads(nt)
-            outs.append(lin(x))
+        for mode in ("f32", "q8"):
+            lin.activations = mode
+            outs = []
+            for nt in (1, 2, 3):
+                torch.set_num_threads(nt)
+                outs.append(lin(x))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), mode
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @requires_kernels
@@ -235,7 +311,7 @@ def test_bias_and_shapes(qtype):
     raw = random_raw(qtype, n, k, seed=9)
     w = gguf_dequantize(raw, qtype)
     bias = torch.randn(n)
-    lin = GGMLLinear(qtype, torch.from_numpy(raw), k, bias=bias)
+    lin = f32_linear(qtype, torch.from_numpy(raw), k, bias=bias)
     assert (lin.in_features, lin.out_features) == (k, n)
     x = torch.randn(4, k)
     assert_close_fp32(lin(x), ref_linear(x, w, bias), x, w)
@@ -265,6 +341,257 @@ def test_embedding_rows_equal_dequantized_rows(qtype):
 
 
 # ------------------------------------------------------------------------------------------------
+# Kernels, q8 activations: quantization, accuracy, batch invariance, linear_multi
+# ------------------------------------------------------------------------------------------------
+
+
+def _activation_samples(k: int) -> torch.Tensor:
+    """Rows that exercise the quantizer: normal, wide-range, an all-zero block, exact ties."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(6, k, generator=g)
+    x[1] *= torch.exp(torch.randn(k, generator=g) * 4)  # magnitudes over many octaves
+    x[2, :256] = 0  # d = 0: q = 0 (and no division by zero)
+    x[3] = torch.randn(k, generator=g) * 1e-30  # tiny (subnormal products)
+    x[4] = torch.randn(k, generator=g) * 1e30
+    # amax 127 -> d = 1, id = 1: x * id lands exactly on .5 ties, which round to even
+    ties = torch.tensor([127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, -126.5])
+    x[5] = ties.repeat(k // 8)
+    return x
+
+
+@requires_kernels
+@pytest.mark.parametrize("bs", [32, 256])
+def test_activation_quantization_bit_exact(bs):
+    k = 1024
+    x = _activation_samples(k)
+    q, d, sums = kernels.load().quantize_activations(x, bs)  # type: ignore[union-attr]
+    rq, rd, rsums = quantize_activations_reference(x, bs)
+    assert q.dtype == rq.dtype == torch.int8 and torch.equal(q, rq)
+    assert np.array_equal(bits(d), bits(rd))
+    assert sums.dtype == rsums.dtype and torch.equal(sums, rsums)
+    # the rule itself: d = amax / 127, |q| <= 127, ties to even, zero blocks all zero
+    assert torch.equal(rd, x.reshape(6, -1, bs).abs().amax(-1) / 127.0)
+    assert q.abs().max() <= 127 and torch.all(q[2, :256] == 0) and torch.all(d[2, : 256 // bs] == 0)
+    assert q[5, :8].tolist() == [127, 2, -2, 4, 0, 0, 2, -126]
+    group = 16 if bs == 256 else 32
+    assert torch.equal(sums.long(), q.reshape(6, -1, group).long().sum(-1))
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_q8_matches_reference_all_row_counts(qtype):
+    bs, _ = GGML_QUANT_SIZES[qtype]
+    n, k = 61, 2 * max(bs, 256) + (bs if bs == 32 else 0)  # odd N; 32-blocks: a partial chunk
+    raw = random_raw(qtype, n, k, seed=5)
+    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    assert lin.activation_mode == "q8"  # the default
+    g = torch.Generator().manual_seed(1)
+    for t in ROWS:
+        x = torch.randn(t, k, generator=g) * 3
+        y = lin(x)
+        assert y.shape == (t, n)
+        assert_close_q8(y, x, raw, qtype)
+    x = _activation_samples(k)[:5]  # ties, zero block, extreme magnitudes
+    assert_close_q8(lin(x), x, raw, qtype)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_q8_extreme_blocks_do_not_saturate(qtype):
+    """All weight bytes at their largest magnitude and |x| at the quantizer's 127: the integer
+    pair sums reach their bound (Q8_0: 2 * 128 * 127) and must not saturate int16."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    n, k = 9, 512
+    raw = random_raw(qtype, n, k, seed=3, scale=1.0)
+    blocks = raw.reshape(-1, ts)
+    fp16 = set()
+    for off in FP16_FIELDS[qtype]:
+        fp16 |= {off, off + 1}
+    fill = {Q.Q8_0: 0x80, Q.Q6_K: 0xFF}.get(qtype, 0xFF)  # Q8_0: -128; others: all bits set
+    for col in range(ts):
+        if col not in fp16:
+            blocks[:, col] = fill
+    if qtype == Q.Q6_K:
+        blocks[:, 192:208] = 0x80  # scales -128, the largest |scale|
+    raw = blocks.reshape(n, -1)
+    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    x = torch.ones(4, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] = torch.randn(k)
+    assert_close_q8(lin(x), x, raw, qtype)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_q8_batch_invariance(qtype):
+    """Row i of a T-row call is bitwise the row computed alone, for T = 1..33 and 100."""
+    bs, _ = GGML_QUANT_SIZES[qtype]
+    n, k = 21, 2 * max(bs, 256)  # 21: two full panels of 8 and a partial one
+    bias = torch.randn(n)
+    lin = GGMLLinear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=7)), k, bias=bias)
+    g = torch.Generator().manual_seed(2)
+    probe = torch.randn(2, k, generator=g)
+    alone = [lin(probe[i : i + 1]) for i in range(2)]
+    for t in [*range(1, 34), 100]:
+        x = torch.randn(t, k, generator=g) * 3
+        pos = [(t * 5) % t, t - 1]
+        x[pos[0]] = probe[0]
+        x[pos[1]] = probe[1]
+        y = lin(x)
+        for i in range(2):
+            if pos[1] == pos[0] and i == 0:
+                continue  # T = 1: one slot, holding probe 1
+            assert torch.equal(y[pos[i] : pos[i] + 1], alone[i]), f"T={t} row {pos[i]}"
+
+
+@requires_kernels
+def test_q8_long_prefill_matches_and_is_batch_invariant():
+    """Long inputs: several 64-row blocks and a quantized x too big for the kept buffer."""
+    qtype, n, k = Q.Q4_K, 24, 8192
+    raw = random_raw(qtype, n, k, seed=13)
+    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    x = torch.randn(1100, k, generator=torch.Generator().manual_seed(4))
+    y = lin(x)
+    assert_close_q8(y, x, raw, qtype)
+    for i in (0, 63, 64, 555, 1099):
+        assert torch.equal(y[i : i + 1], lin(x[i : i + 1]))
+
+
+@requires_kernels
+def test_q8_bias_shapes_and_zero_input():
+    qtype, n, k = Q.Q6_K, 19, 256
+    raw = random_raw(qtype, n, k, seed=9)
+    bias = torch.randn(n)
+    lin = GGMLLinear(qtype, torch.from_numpy(raw), k, bias=bias)
+    x = torch.randn(4, k)
+    assert_close_q8(lin(x), x, raw, qtype, bias)
+    assert torch.equal(lin(torch.zeros(3, k)), bias.expand(3, n))  # d = 0: exactly the bias
+    x3 = torch.randn(2, 3, k)
+    assert lin(x3).shape == (2, 3, n) and torch.equal(lin(x3).reshape(6, n), lin(x3.reshape(6, k)))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(lin(xb), lin(xb.float()))
+    assert lin(torch.zeros(0, k)).shape == (0, n)
+    assert torch.isnan(lin(torch.full((1, k), float("nan")))).all()  # NaN in, NaN out
+
+
+def _multi_layers() -> tuple[list[GGMLLinear], list[np.ndarray]]:
+    """Linears sharing K = 512: K-quant and 32-block formats (both quantizations of x), biases,
+    N not a multiple of the 8-row panel."""
+    specs = [(Q.Q4_K, 40, True), (Q.Q6_K, 13, False), (Q.Q8_0, 27, True), (Q.Q4_1, 9, False)]
+    mods, raws = [], []
+    for i, (qt, n, has_bias) in enumerate(specs):
+        raw = random_raw(qt, n, 512, seed=30 + i)
+        bias = torch.randn(n) if has_bias else None
+        mods.append(GGMLLinear(qt, torch.from_numpy(raw), 512, bias=bias))
+        raws.append(raw)
+    return mods, raws
+
+
+@requires_kernels
+def test_linear_multi_equals_separate_calls_bitwise():
+    mods, raws = _multi_layers()
+    for t in (1, 3, 8, 9, 40, 70):
+        x = torch.randn(t, 512) * 2
+        ys = ggml_linear_multi(mods, x)
+        assert len(ys) == len(mods)
+        for y, m, raw in zip(ys, mods, raws, strict=True):
+            assert torch.equal(y, m(x)), (t, m.qtype.name)
+            assert_close_q8(y, x, raw, m.qtype, m.bias)
+        direct = kernels.load().linear_multi(x, [(m._qt, m.raw, 512, m.bias) for m in mods])  # type: ignore[union-attr]
+        assert all(torch.equal(a, b) for a, b in zip(direct, ys, strict=True))
+    x3 = torch.randn(2, 5, 512)  # leading dims
+    for y, m in zip(ggml_linear_multi(mods, x3), mods, strict=True):
+        assert y.shape == (2, 5, m.out_features) and torch.equal(y, m(x3))
+
+
+@requires_kernels
+def test_linear_multi_falls_back_to_separate_calls():
+    mods, _ = _multi_layers()
+    x = torch.randn(4, 512)
+    set_activation_mode(mods[1], "f32")  # one f32 layer: every module is called on its own path
+    ys = ggml_linear_multi(mods, x)
+    assert all(torch.equal(y, m(x)) for y, m in zip(ys, mods, strict=True))
+    plain = torch.nn.Linear(512, 6)
+    y_plain = ggml_linear_multi([mods[0], plain], x)[1]  # not a GGMLLinear: called as it is
+    assert torch.equal(y_plain, plain(x))
+    with reference_mode():
+        ys_ref = ggml_linear_multi(mods, x)
+        assert all(torch.equal(y, m(x)) for y, m in zip(ys_ref, mods, strict=True))
+    with pytest.raises(RuntimeError, match="in_features"):
+        kernels.load().linear_multi(x, [(mods[0]._qt, mods[0].raw, 256, None)])  # type: ignore[union-attr]
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_reference_q8_path_agrees_with_kernels(qtype):
+    """Without the kernels (reference path) the q8 mode computes the same function."""
+    n, k = 33, 512
+    raw = random_raw(qtype, n, k, seed=12)
+    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    x = torch.randn(6, k)
+    y_kernel = lin(x)
+    with reference_mode():
+        y_ref = lin(x)
+    assert_close_q8(y_kernel, x, raw, qtype)
+    # the reference rounds q * d to fp32 and accumulates in fp32 (BLAS): a little looser
+    exact, tol = q8_ref(x, raw, qtype)
+    assert torch.all(
+        (y_ref.double() - exact).abs() <= 4 * tol + 2 * k * 2**-24 * (exact.abs() + 1e-3)
+    )
+    xq = q8_activations_reference(x, activation_block_size(qtype))
+    assert torch.equal(y_ref, f32_linear(qtype, torch.from_numpy(raw), k)._reference_forward(xq))
+
+
+@requires_kernels
+def test_activation_mode_switching():
+    qtype, n, k = Q.Q4_K, 16, 512
+    raw = torch.from_numpy(random_raw(qtype, n, k, seed=14))
+    model = torch.nn.Sequential(
+        GGMLLinear(qtype, raw, k), torch.nn.Sequential(GGMLLinear(qtype, raw, k))
+    )
+    x = torch.randn(3, k)
+    mod = kernels.load()
+    assert mod is not None
+    y_q8 = mod.linear_q8(int(qtype), raw, x, k)
+    y_f32 = mod.linear(int(qtype), raw, x, k)
+    assert not torch.equal(y_q8, y_f32)  # the modes really differ (x is rounded to int8)
+    assert all(torch.equal(m(x), y_q8) for m in (model[0], model[1][0]))
+    assert set_activation_mode(model, "f32") == 2
+    assert model[0].activation_mode == "f32" and "activations=f32" in repr(model[0])
+    assert all(torch.equal(m(x), y_f32) for m in (model[0], model[1][0]))
+    set_activation_mode(model, None)  # back to the process default
+    set_default_activation_mode("f32")
+    assert default_activation_mode() == "f32" and torch.equal(model[0](x), y_f32)
+    set_default_activation_mode("q8")
+    assert torch.equal(model[0](x), y_q8)
+    with pytest.raises(QuickdraftError, match="q8"):
+        set_activation_mode(model, "int4")
+    with pytest.raises(QuickdraftError, match="f32"):
+        GGMLLinear(qtype, raw, k, activations="fp16")
+
+
+def test_activation_mode_env_var():
+    """QUICKDRAFT_ACTIVATIONS=f32 makes the exact path the default; a bad value says what to use."""
+    code = (
+        "import quickdraft.quant.ggml as g\n"
+        "from quickdraft.errors import QuickdraftError\n"
+        "print(g.default_activation_mode())\n"
+    )
+    for value, expected in (("f32", "f32"), ("Q8", "q8"), ("", "q8")):
+        env = {**os.environ, "QUICKDRAFT_ACTIVATIONS": value}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
+    env = {**os.environ, "QUICKDRAFT_ACTIVATIONS": "int4"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0 and "QUICKDRAFT_ACTIVATIONS='int4'" in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------
 # Path selection and module behaviour
 # ------------------------------------------------------------------------------------------------
 
@@ -275,7 +602,7 @@ def test_reference_path_agrees_with_kernels(qtype):
     n, k = 33, 512
     raw = random_raw(qtype, n, k, seed=12)
     w = gguf_dequantize(raw, qtype)
-    lin = GGMLLinear(qtype, torch.from_numpy(raw), k)
+    lin = f32_linear(qtype, torch.from_numpy(raw), k)
     x = torch.randn(6, k)
     assert kernels_active()
     y_kernel = lin(x)

@@ -21,7 +21,7 @@ from types import ModuleType
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / "ggml_cpu.cpp"]
-HEADERS = [_DIR / "ggml_cpu.h"]
+HEADERS = [_DIR / "ggml_cpu.h", _DIR / "ggml_q8.h"]
 # AVX2/FMA/F16C only (no -march=native): the build must run on any x86-64 machine with those.
 # -ffp-contract=off: no silent a*b+c fusing; every fused multiply-add in the kernels is explicit.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]

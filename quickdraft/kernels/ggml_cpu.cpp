@@ -2,30 +2,52 @@
 //
 //   y[t, n] = sum_k x[t, k] * W[n, k]  (+ bias[n])      x: fp32 [T, K], W: GGML blocks [N, row_bytes]
 //
-// Design (see quickdraft/quant/ggml.py for the Python side and the pure-PyTorch reference):
-//   * Output rows are grouped in panels of NP = 8; OpenMP threads take runs of panels
-//     (dynamically: the machine may be shared), so every weight block is read from memory once
-//     per call, whatever T is. The next panel is software-prefetched while the current one is
-//     computed (the 8-row interleave defeats the hardware prefetchers).
-//   * A panel is walked along K in chunks of 256 (one K-quant super-block, eight 32-blocks).
-//     Up to 8 input rows (decode, verification): fused path. A register tile of TT input rows x
-//     NN weight rows (1x4, 2x2 or 2x4, 3x2, 4x2, 5..8x1) dequantizes each block in registers,
-//     8 weights at a time, bit-exact to gguf.quants.dequantize, and multiplies them into all TT
-//     rows at once. More rows (long verification, prefill): scratch path. Each chunk of the panel
-//     is dequantized once into an 8 KiB L1 scratch, then 4x2 register tiles multiply it with the
-//     rows. x is repacked once per call (chunk-major, padded rows: no L1 conflicts).
-//   * Batch invariance: the accumulator of output (t, n) is one 8-lane fp32 vector that receives
-//     fma(x[t, 8v:8v+8], w[n, 8v:8v+8], acc) for the vectors v of each block in one fixed order
-//     (the format's ORDER), block after block, and is reduced by one fixed horizontal sum. Paths,
-//     tile shapes, tails, panels and threads only decide where that sequence runs, never its
-//     arithmetic, so a row's result is bitwise the same for any T.
-//   * Measured on 2 Zen 4 cores (Qwen2.5-Coder-1.5B Q4_K_M, benchmarks/kernels.py): 1 row is
-//     compute-bound (~2.2 cycles per 8 Q4_K weights: load+widen, mask, convert, fmsub, fma);
-//     8 rows are bound by FMA throughput and loads.
+// Two activation modes (see quickdraft/quant/ggml.py for the Python side and the pure-PyTorch
+// reference of both):
+//
+// q8 (linear_q8, linear_multi; ggml_q8.h; the default): each input row is quantized to int8 per
+//   block, once per call, like llama.cpp's activations: per 256 values for K-quant weights (one
+//   fp32 scale d = amax/127, plus int16 sums of q per 16 values) and per 32 values for Q4_0, Q4_1,
+//   Q5_0, Q8_0 (fp32 scale, sum of q per 32). The kernel then works in integers: the weight bytes
+//   of a block are unpacked once in registers (nibbles, 6-bit values, or signed bytes) and reused
+//   for every input row of the register tile (1..8 rows x 1..4 weight rows), multiplied with
+//   maddubs (u8 x i8 -> i16 pairs, no saturation for any input) and widened with madd, which also
+//   applies the format's per-group scales (Q4_K, Q6_K). Within a block every sum is exact; then
+//   one short float sequence per (row, output, block) adds dx * dw * isum (and Q4_K's / Q4_1's min
+//   term, dx * dmin * sum(m_g * bsum_g)) into an 8-lane fp32 accumulator. What this changes
+//   numerically: x is rounded to int8 per block (relative error ~1/254 of the block's largest
+//   |x|), exactly as llama.cpp does; the weights are used exactly. 1 row is bound by memory
+//   bandwidth, k+1 rows cost little more (the integer work per row is ~3 uops per 32 weights).
+//   linear_multi computes several weights of the same x (q/k/v, gate/up) in one parallel region,
+//   quantizing x once per mode.
+// f32 (linear; this file's gemm in ggml_cpu.h): exact fp32 activations. Output rows are grouped
+//   in panels of NP = 8; a panel is walked along K in chunks of 256 (one K-quant super-block, eight
+//   32-blocks). Up to 8 input rows: a register tile of TT input rows x NN weight rows (1x4, 2x2 or
+//   2x4, 3x2, 4x2, 5..8x1) dequantizes each block in registers, 8 weights at a time, bit-exact to
+//   gguf.quants.dequantize, and FMAs them into all TT rows at once. More rows: each chunk of the
+//   panel is dequantized once into an 8 KiB L1 scratch, then 4x2 register tiles multiply it with
+//   the rows (x repacked once per call, chunk-major, padded rows: no L1 conflicts).
+//
+// Both modes share the panel scheme: OpenMP threads take runs of panels dynamically (the machine
+// may be shared), every weight block is read from memory once per call whatever T is, and the next
+// panel is software-prefetched (the 8-row interleave defeats the hardware prefetchers).
+//
+// Batch invariance (both modes): the float operations that produce output (t, n) are one fixed
+// sequence whatever T, the tile shape, the panel, the thread or the thread count is: in f32 mode
+// fma(x[t, 8v:8v+8], w[n, 8v:8v+8], acc) for the vectors v of each block in the format's fixed
+// ORDER; in q8 mode the per-block float step above (integer sums are exact, so their order is
+// free); then one fixed horizontal sum and the bias. A row's quantization depends on that row
+// only. So a row's result is bitwise the same for any T, and speculative verification reproduces
+// plain decoding exactly, in either mode (as long as both run in the same mode).
+//
+// Measured on 2 Zen 4 cores (Qwen2.5-Coder-1.5B Q4_K_M, benchmarks/kernels.py, results in
+// benchmarks/results/kernels.json): f32: 1 row is compute-bound (~2.2 cycles per 8 Q4_K weights);
+// q8: about 2x the f32 throughput per core at 1..8 rows.
 
 #include <torch/extension.h>
 
 #include "ggml_cpu.h"
+#include "ggml_q8.h"
 
 namespace {
 
@@ -96,6 +118,86 @@ torch::Tensor dequantize(int64_t qtype, const torch::Tensor& raw, int64_t K, int
   return y;
 }
 
+
+// ---- q8 activations -----------------------------------------------------------------------------
+
+using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
+
+// y_i = x @ dequant(W_i).T (+ b_i) for several weights sharing x, with x quantized to int8 once per
+// mode and all panels of all weights computed in one parallel region.
+std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
+                                        int64_t nthreads) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU float32 tensor [T, in_features]");
+  const int64_t T = x.size(0), K = x.size(1);
+  std::vector<torch::Tensor> ys;
+  std::vector<q8::Job> jobs;
+  for (const auto& [qtype, raw, in_features, bias] : weights) {
+    TORCH_CHECK(in_features == K, "in_features ", in_features, " does not match x's ", K, " columns");
+    q8::Job g{};
+    g.qtype = qtype;
+    g.K = K;
+    g.N = raw.size(0);
+    TORCH_CHECK(q8::init_job(g), "quickdraft kernels: unsupported GGML type ", qtype);
+    dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
+    g.W = raw.data_ptr<uint8_t>();
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == g.N,
+                  "bias must be a contiguous float32 tensor [out_features]");
+      g.bias = bias->data_ptr<float>();
+    }
+    ys.push_back(torch::empty({T, g.N}, x.options()));
+    g.y = ys.back().data_ptr<float>();
+    if (g.N > 0) jobs.push_back(g);
+  }
+  if (T == 0 || jobs.empty()) return ys;
+  const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
+  const float* xp = x.data_ptr<float>();
+  pybind11::gil_scoped_release nogil;
+  q8::gemm_multi(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt);
+  return ys;
+}
+
+torch::Tensor linear_q8(int64_t qtype, const torch::Tensor& raw, const torch::Tensor& x, int64_t K,
+                        const c10::optional<torch::Tensor>& bias, int64_t nthreads) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, in_features]");
+  return linear_multi(x, {WeightSpec{qtype, raw, K, bias}}, nthreads)[0];
+}
+
+// (q int8 [T, K], d float32 [T, K/bs], sums [T, K/16] int16 (bs 256) or [T, K/32] int32 (bs 32)):
+// the kernels' quantization of x, for tests.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bs) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU float32 tensor [T, K]");
+  TORCH_CHECK(bs == 256 || bs == 32, "block size must be 256 (K-quant weights) or 32");
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % bs == 0, "K ", K, " is not a multiple of ", bs);
+  const int mode = bs == 256 ? q8::KQ : q8::B32;
+  const int64_t nchunks = (K + CHUNK - 1) / CHUNK;
+  std::vector<q8::XChunk> buf(nchunks * T);
+  q8::quantize_rows(x.data_ptr<float>(), T, K, mode, buf.data());
+  auto q = torch::empty({T, K}, torch::kInt8);
+  auto d = torch::empty({T, K / bs}, torch::kFloat32);
+  auto sums = mode == q8::KQ ? torch::empty({T, K / 16}, torch::kInt16) : torch::empty({T, K / 32}, torch::kInt32);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const q8::XChunk& xc = buf[c * T + t];
+      const int64_t n = std::min<int64_t>(CHUNK, K - c * CHUNK);
+      std::memcpy(q.data_ptr<int8_t>() + t * K + c * CHUNK, xc.q, n);
+      if (mode == q8::KQ) {
+        d.data_ptr<float>()[t * (K / 256) + c] = xc.d[0];
+        std::memcpy(sums.data_ptr<int16_t>() + t * (K / 16) + c * 16, xc.bsum, 32);
+      } else {
+        for (int64_t b = 0; b < n / 32; ++b) {
+          d.data_ptr<float>()[t * (K / 32) + c * 8 + b] = xc.d[b];
+          sums.data_ptr<int32_t>()[t * (K / 32) + c * 8 + b] = static_cast<int32_t>(xc.s[b]);
+        }
+      }
+    }
+  }
+  return {q, d, sums};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -109,4 +211,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("num_threads") = 0);
   m.def("dequantize", &dequantize, "fp32 [N, K] weights, bit-exact to gguf.quants.dequantize", pybind11::arg("qtype"),
         pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("num_threads") = 0);
+  m.def("linear_q8", &linear_q8,
+        "y = x @ dequant(raw).T (+ bias) with x quantized to int8 per block (q8 activations)",
+        pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("x"), pybind11::arg("in_features"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("num_threads") = 0);
+  m.def("linear_multi", &linear_multi,
+        "[x @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)], q8 activations, one call",
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0);
+  m.def("quantize_activations", &quantize_activations,
+        "(q int8 [T, K], d float32 [T, K/bs], sums): x quantized per block of bs = 256 or 32",
+        pybind11::arg("x"), pybind11::arg("block_size"));
 }

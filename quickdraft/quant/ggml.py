@@ -1,20 +1,37 @@
 """Linear layers that keep GGUF weights in their own GGML blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
 
-Two paths compute the same thing:
+Two activation modes (per layer, :func:`set_activation_mode` for a whole model; the process
+default is "q8", or whatever ``QUICKDRAFT_ACTIVATIONS=f32|q8`` says):
+
+* ``"q8"`` (default): each input row is rounded to int8 per block before the product, as llama.cpp
+  does: per 256 values for K-quant weights (Q4_K, Q6_K), per 32 for the others, with an fp32
+  scale ``d = amax / 127`` and ``q = round_half_even(x / d)``. The weights are used exactly. The
+  kernels then compute with integer dot products: decode (1 row) runs at memory bandwidth, and a
+  (k+1)-row verification pass costs little more than one row. Numerically the layer computes
+  ``q8(x) @ W.T``: activations carry a relative rounding error of up to 1/254 of their block's
+  largest value, like llama.cpp's; logits differ slightly from the f32 mode.
+* ``"f32"``: exact fp32 activations (``x @ W.T`` within fp32 accumulation error).
+
+In both modes the result is deterministic and batch-invariant: a row's output is bitwise the same
+whatever other rows share the call, so speculative greedy output equals plain greedy output (in
+the same mode). Two paths compute each mode:
 
 * the native kernels (``quickdraft.kernels``, AVX2/FMA/OpenMP): every weight block is read once per
-  call and reused for all 1..T input rows, and a row's result is bitwise identical whatever T is
-  (batch invariance, so speculative verification reproduces plain decoding exactly);
+  call and reused for all 1..T input rows; :func:`ggml_linear_multi` computes several linears of
+  the same input (q/k/v, gate/up) in one call, quantizing x once;
 * the pure-PyTorch reference: dequantize with torch ops (bit-exact to ``gguf.quants.dequantize``),
+  in q8 mode quantize x with the kernels' exact rule (:func:`quantize_activations_reference`),
   then ``x @ w.T``. It runs wherever torch does (also on GPUs) and is used when the kernels cannot
-  be built, when ``QUICKDRAFT_KERNELS=ref`` is set, or after ``set_reference_mode(True)``. It is a
-  correctness fallback: not fast, and (like any BLAS matmul) not batch-invariant.
+  be built, when ``QUICKDRAFT_KERNELS=ref`` is set, or after ``set_reference_mode(True)``. It
+  computes the same function up to float rounding; it is a correctness fallback: not fast, and
+  (like any BLAS matmul) not batch-invariant.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import torch
@@ -22,6 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from quickdraft import kernels as _kernels
+from quickdraft.errors import QuickdraftError
 
 Q = GGMLQuantizationType
 _REF_ROWS_PER_CHUNK = 4096  # the reference forward dequantizes this many output rows at a time
@@ -139,6 +157,107 @@ def dequantize_reference(
 
 
 # --------------------------------------------------------------------------------------------
+# Activation quantization (the "q8" mode): the kernels' rule, reproduced bit for bit in torch
+# --------------------------------------------------------------------------------------------
+
+ACTIVATION_MODES = ("q8", "f32")
+_K_QUANTS = (Q.Q4_K, Q.Q6_K)
+
+
+def activation_block_size(qtype: GGMLQuantizationType | int) -> int:
+    """Values per activation scale in q8 mode: 256 for K-quant weights ("Q8_K"), else 32."""
+    return 256 if _qtype(qtype) in _K_QUANTS else 32
+
+
+def quantize_activations_reference(
+    x: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [T, K] -> (q int8 [T, K], d float32 [T, K/bs], sums), as the kernels quantize.
+
+    Per block of ``block_size`` values: ``d = amax / 127`` (amax = max |x|, float32),
+    ``id = 1 / d`` (0 where d is 0), ``q = round_half_even(x * id)``. ``sums`` holds the sums
+    of q per 16 values (int16 [T, K/16]) for block size 256, per 32 values (int32 [T, K/32])
+    for 32. Bit-exact to the kernels' ``quantize_activations``.
+    """
+    if block_size not in (32, 256):
+        raise ValueError(f"block_size must be 32 or 256, got {block_size}")
+    t, k = x.shape
+    if k % block_size:
+        raise ValueError(f"{k} values per row is not a multiple of the block size {block_size}")
+    xb = x.to(torch.float32).reshape(t, k // block_size, block_size)
+    d = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, torch.div(torch.ones_like(d), d), torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8).reshape(t, k)
+    group = 16 if block_size == 256 else 32
+    sums = q.reshape(t, k // group, group).sum(dim=-1, dtype=torch.int32)
+    return q, d, sums.to(torch.int16) if group == 16 else sums
+
+
+def q8_activations_reference(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The values the q8 mode multiplies with: ``q * d`` per block, float32 [T, K]."""
+    q, d, _ = quantize_activations_reference(x, block_size)
+    t, k = x.shape
+    return (q.to(torch.float32).reshape(t, -1, block_size) * d.unsqueeze(-1)).reshape(t, k)
+
+
+def _env_activation_mode() -> str:
+    value = os.environ.get("QUICKDRAFT_ACTIVATIONS", "").strip().lower()
+    if value in ("", "q8", "int8"):
+        return "q8"
+    if value in ("f32", "fp32", "float32", "exact"):
+        return "f32"
+    raise QuickdraftError(
+        f"QUICKDRAFT_ACTIVATIONS={value!r} is not an activation mode; set it to q8 (the default: "
+        "activations rounded to int8 per block, like llama.cpp) or f32 (exact fp32 activations)"
+    )
+
+
+_default_mode: str | None = None  # resolved from QUICKDRAFT_ACTIVATIONS on first use
+
+
+def default_activation_mode() -> str:
+    """The mode of GGMLLinear modules without their own: QUICKDRAFT_ACTIVATIONS, else "q8"."""
+    global _default_mode
+    if _default_mode is None:
+        _default_mode = _env_activation_mode()
+    return _default_mode
+
+
+def set_default_activation_mode(mode: str | None) -> None:
+    """Set the process-wide default mode ("q8" or "f32"); None re-reads QUICKDRAFT_ACTIVATIONS."""
+    global _default_mode
+    _default_mode = None if mode is None else _check_mode(mode)
+    if mode is None:
+        default_activation_mode()
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in ACTIVATION_MODES:
+        raise QuickdraftError(
+            f"activation mode {mode!r} is not one of {', '.join(ACTIVATION_MODES)} "
+            "(q8: int8 activations per block, fast; f32: exact fp32 activations)"
+        )
+    return mode
+
+
+def set_activation_mode(module: nn.Module, mode: str | None) -> int:
+    """Set the activation mode of every GGMLLinear in ``module`` (itself included).
+
+    ``mode``: "q8", "f32", or None (follow the process default again). Returns how many layers
+    were set. A model must use one mode for all its passes: speculative verification reproduces
+    plain decoding bit for bit only when both run in the same mode.
+    """
+    if mode is not None:
+        _check_mode(mode)
+    n = 0
+    for m in module.modules():
+        if isinstance(m, GGMLLinear):
+            m.activations = mode
+            n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------
 # Path selection
 # --------------------------------------------------------------------------------------------
 
@@ -200,7 +319,9 @@ class GGMLLinear(nn.Module):
     """``y = x @ W.T + b`` with W kept as raw GGML blocks (a buffer: ``.to(device)`` moves it).
 
     ``forward`` takes float32 (or bf16/fp16, upcast) ``[..., in_features]`` and returns float32
-    ``[..., out_features]``.
+    ``[..., out_features]``. ``activations``: "q8" (x rounded to int8 per block, integer dot
+    products), "f32" (exact fp32 activations), or None (the process default,
+    :func:`default_activation_mode`); see :func:`set_activation_mode`.
     """
 
     raw: torch.Tensor
@@ -212,8 +333,10 @@ class GGMLLinear(nn.Module):
         raw: torch.Tensor,
         in_features: int,
         bias: torch.Tensor | None = None,
+        activations: str | None = None,
     ) -> None:
         super().__init__()
+        self.activations = None if activations is None else _check_mode(activations)
         self.qtype = _qtype(qtype)
         self._qt = int(self.qtype)
         bs, ts = GGML_QUANT_SIZES[self.qtype]
@@ -242,12 +365,19 @@ class GGMLLinear(nn.Module):
         self.register_buffer("bias", bias)
         self._ref_weight: torch.Tensor | None = None
         self._cache_ref = False
+        self._act_block = activation_block_size(self.qtype)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"qtype={self.qtype.name}, bias={self.bias is not None}"
+            f"qtype={self.qtype.name}, bias={self.bias is not None}, "
+            f"activations={self.activations or 'default'}"
         )
+
+    @property
+    def activation_mode(self) -> str:
+        """The mode forward uses now: its own, or the process default."""
+        return self.activations or default_activation_mode()
 
     @property
     def weight_bytes(self) -> int:
@@ -280,12 +410,14 @@ class GGMLLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mod = _active_kernels()
+        q8 = (self.activations or _default_mode or default_activation_mode()) == "q8"
         if mod is not None and x.is_cpu and self.raw.is_cpu:
             if x.dtype != torch.float32:
                 x = x.float()
+            fn = mod.linear_q8 if q8 else mod.linear
             if x.dim() == 2:  # the decode / verify fast path: [T, K] -> [T, N]
-                return mod.linear(self._qt, self.raw, x.contiguous(), self.in_features, self.bias)
-            y = mod.linear(
+                return fn(self._qt, self.raw, x.contiguous(), self.in_features, self.bias)
+            y = fn(
                 self._qt,
                 self.raw,
                 x.reshape(-1, self.in_features).contiguous(),
@@ -293,7 +425,10 @@ class GGMLLinear(nn.Module):
                 self.bias,
             )
             return y.reshape(*x.shape[:-1], self.out_features)
-        y = self._reference_forward(x.reshape(-1, self.in_features).float())
+        x2 = x.reshape(-1, self.in_features).float()
+        if q8:
+            x2 = q8_activations_reference(x2, self._act_block)
+        y = self._reference_forward(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,3 +445,36 @@ class GGMLLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def ggml_linear_multi(modules: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``, in one kernel call where it can be.
+
+    For linears that share their input (q/k/v, gate/up): when every module is a GGMLLinear in
+    q8 mode with the same in_features and the kernels run on CPU tensors, x is quantized once
+    and all products are computed in one parallel region (one thread wake-up, one Python call).
+    Otherwise (other module types, f32 mode, the reference path) each module is called; the
+    results are the same bits either way.
+    """
+    mod = _active_kernels()
+    if (
+        mod is None
+        or not x.is_cpu
+        or len(modules) < 2
+        or not all(
+            isinstance(m, GGMLLinear)
+            and m.raw.is_cpu
+            and m.in_features == x.shape[-1]
+            and (m.activations or _default_mode or default_activation_mode()) == "q8"
+            for m in modules
+        )
+    ):
+        return [m(x) for m in modules]
+    lins: list[GGMLLinear] = list(modules)  # type: ignore[arg-type]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    ys = mod.linear_multi(x2.contiguous(), [(m._qt, m.raw, m.in_features, m.bias) for m in lins])
+    if x.dim() == 2:
+        return list(ys)
+    return [y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(ys, lins, strict=True)]
