@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -31,11 +32,35 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (qwen3)
     sliding_window: int | None = None
+    # Mixture of experts (quickdraft/models/moe.py); the defaults describe a dense model.
+    num_experts: int = 0  # routed experts per MoE layer
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # width of one routed expert's MLP
+    shared_expert_intermediate_size: int = 0  # width of the always-on shared expert; 0 = none
+    norm_topk_prob: bool = False  # qwen MoE: renormalise the top-k softmax weights to sum to 1
+    decoder_sparse_step: int = 1  # qwen MoE: layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    moe_layers: tuple[int, ...] | None = None  # llama4: the sparse layers; None = every
+    interleave_moe_layer_step: int = 1  # ... interleave_moe_layer_step-th layer
+    # Llama 4 attention: per layer, RoPE + chunked attention + L2 q/k norm, or NoPE + temperature.
+    attention_chunk_size: int | None = None  # RoPE layers attend within chunks of this many positions
+    no_rope_layers: tuple[int, ...] = ()  # 1 = the layer uses RoPE, 0 = NoPE (HF's naming); () = all RoPE
+    qk_l2_norm: bool = False  # L2-normalise q and k (no weight) after RoPE, RoPE layers only
+    attn_temperature_tuning: bool = False  # scale NoPE layers' queries up with the position
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    # Gemma 3 (quickdraft/models/gemma3.py); the defaults describe every other model.
+    layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" (uses sliding_window) or "full_attention"
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (rope_theta / rope_scaling: the full ones)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by this ** -0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dims of each head (phi3)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face ``config.json``."""
+        d = _llama4_text_config(d)
         model_type = d.get("model_type")
         if not model_type:
             raise QuickdraftError("config.json has no 'model_type'; is this a Hugging Face model folder?")
@@ -60,6 +85,9 @@ class ModelConfig:
                 qk_norm=model_type == "qwen3",
                 sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
             )
+            cfg.update(_moe_fields(str(model_type), d, int(d["num_hidden_layers"])))
+            cfg.update(_gemma3_fields(str(model_type), d))
+            cfg.update(_phi3_fields(str(model_type), d))
         except KeyError as exc:
             raise QuickdraftError(f"config.json lacks the field {exc}; the model folder looks incomplete") from None
         known = {f.name for f in fields(cls)}
@@ -78,3 +106,180 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
         return None
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     return None if kind == "default" else dict(scaling, rope_type=kind)
+
+
+# Hugging Face config defaults of the MoE families, used where a config.json leaves a field out.
+_QWEN_MOE_DEFAULTS = {
+    "qwen2_moe": {"num_experts_per_tok": 4, "moe_intermediate_size": 1408},
+    "qwen3_moe": {"num_experts_per_tok": 8, "moe_intermediate_size": 768},
+}
+_QWEN_MOE_EXPERTS = {"qwen2_moe": 60, "qwen3_moe": 128}
+
+
+def _num_experts(d: dict[str, Any], default: int) -> int:
+    """Routed experts: configs name them num_experts or num_local_experts (transformers aliases
+    one to the other for mixtral and qwen3_moe, and saves whichever the class stores)."""
+    for key in ("num_experts", "num_local_experts"):
+        if d.get(key) is not None:
+            return int(d[key])
+    return default
+
+
+def _moe_fields(model_type: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The MoE / Llama 4 fields of a Hugging Face config (and the dense fields these families
+    name differently), resolved the way transformers' config classes resolve them."""
+    if model_type == "mixtral":
+        return {
+            "num_experts": _num_experts(d, 8),
+            "num_experts_per_tok": int(d.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": int(d["intermediate_size"]),
+            "sliding_window": d.get("sliding_window"),  # Mixtral has no use_sliding_window switch
+        }
+    if model_type in _QWEN_MOE_DEFAULTS:
+        defaults = _QWEN_MOE_DEFAULTS[model_type]
+        out: dict[str, Any] = {
+            key: int(d.get(key, default)) for key, default in defaults.items()
+        } | {
+            "num_experts": _num_experts(d, _QWEN_MOE_EXPERTS[model_type]),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        }
+        if model_type == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = int(d.get("shared_expert_intermediate_size", 5632))
+            out["attention_bias"] = bool(d.get("qkv_bias", True))
+        else:
+            out["qk_norm"] = True
+        return out
+    if model_type in ("llama4", "llama4_text"):
+        step = int(d.get("interleave_moe_layer_step", 1))
+        moe_layers = d.get("moe_layers")
+        if moe_layers is None:
+            moe_layers = range(step - 1, layers, step)
+        interval = int(d.get("no_rope_layer_interval", 4))
+        no_rope = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        expert = int(d.get("intermediate_size", 8192))
+        return {
+            "num_experts": _num_experts(d, 16),
+            "num_experts_per_tok": int(d.get("num_experts_per_tok", 1)),
+            "moe_intermediate_size": expert,
+            "shared_expert_intermediate_size": expert,
+            "intermediate_size": int(d.get("intermediate_size_mlp", 16384)),  # the dense layers' MLP
+            "moe_layers": tuple(int(i) for i in moe_layers),
+            "interleave_moe_layer_step": step,
+            "attention_chunk_size": d.get("attention_chunk_size", 8192),
+            # "chunked_attention" / "full_attention" per layer; None: chunked = RoPE layers
+            "layer_types": tuple(d["layer_types"]) if d.get("layer_types") else None,
+            "no_rope_layers": tuple(int(i) for i in no_rope),
+            "qk_l2_norm": bool(d.get("use_qk_norm", True)),
+            "attn_temperature_tuning": bool(d.get("attn_temperature_tuning", True)),
+            "floor_scale": float(d.get("floor_scale", 8192)),
+            "attn_scale": float(d.get("attn_scale", 0.1)),
+            "attention_bias": bool(d.get("attention_bias", False)),
+        }
+    return {}
+
+
+def _llama4_text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A full Llama 4 checkpoint (model_type "llama4": vision + text) runs as its text model:
+    its text_config, keeping model_type "llama4" (the weights carry a ``language_model.`` prefix)."""
+    text = d.get("text_config")
+    if d.get("model_type") != "llama4" or not isinstance(text, dict):
+        return d
+    tied = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": "llama4", "tie_word_embeddings": tied}
+
+
+_GEMMA3_FULL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig's defaults
+
+
+def _gemma3_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text fields, with transformers' Gemma3TextConfig defaults for what a config.json
+    leaves out. RoPE comes either as transformers 5's ``rope_parameters`` per layer type or in
+    the older flat form (``rope_theta`` + ``rope_scaling`` for full layers, ``rope_local_base_freq``
+    for sliding ones). Features quickdraft does not compute are refused, not ignored."""
+    if model_type != "gemma3_text":
+        return {}
+    if d.get("attn_logit_softcapping") is not None:
+        raise QuickdraftError("Gemma attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise QuickdraftError("bidirectional Gemma 3 models (embedding models) cannot generate text")
+    activation = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise QuickdraftError(f"Gemma 3 with hidden_activation {activation!r} is not supported (only gelu_pytorch_tanh)")
+    layers = int(d["num_hidden_layers"])
+    pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise QuickdraftError(f"config.json has layer_types {layer_types!r}; expected {layers} of sliding_attention/full_attention")
+    params = d.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(d.get("rope_scaling") or {}, rope_theta=d.get("rope_theta") or _GEMMA3_FULL_THETA)
+        local = {"rope_theta": d.get("rope_local_base_freq") or _GEMMA3_LOCAL_THETA}
+    if (local.get("rope_type") or local.get("type") or "default") != "default":
+        raise QuickdraftError("Gemma 3 with RoPE scaling on its sliding-window layers is not supported")
+    softcap = d.get("final_logit_softcapping")
+    return {
+        "head_dim": int(d.get("head_dim") or 256),
+        "sliding_window": int(d.get("sliding_window") or 4096),
+        "layer_types": tuple(str(t) for t in layer_types),
+        "rope_theta": float(full.get("rope_theta") or _GEMMA3_FULL_THETA),
+        "rope_scaling": _rope_scaling({"rope_scaling": full}),
+        "rope_local_theta": float(local.get("rope_theta") or _GEMMA3_LOCAL_THETA),
+        "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar") or 256),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+        "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+    }
+
+
+def _phi3_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 / Phi-4-mini fields: partial rotary, a sliding window on every layer (computed, so
+    it is given as layer types), and LongRoPE.
+
+    LongRoPE switches from ``short_factor`` to ``long_factor`` frequencies once a sequence grows
+    past ``original_max_position_embeddings`` (transformers recomputes every position then); only
+    the short half is implemented, so the context is limited to the original length, where the
+    result equals transformers'. The attention factor (cos/sin scale) is resolved here as
+    transformers does: from the config, else from max_position_embeddings / original length.
+    """
+    if model_type != "phi3":
+        return {}
+    activation = d.get("hidden_act", "silu")
+    if activation != "silu":
+        raise QuickdraftError(f"Phi-3 with hidden_act {activation!r} is not supported (only silu)")
+    layers = int(d["num_hidden_layers"])
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or params
+    out: dict[str, Any] = {
+        "partial_rotary_factor": float(params.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0),
+        "sliding_window": None,
+        "layer_types": None,
+    }
+    window = d.get("sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+        out["layer_types"] = ("sliding_attention",) * layers
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind in ("longrope", "su", "yarn"):  # transformers reads all three as LongRoPE for phi3
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        original = int(scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos)
+        factor = float(scaling.get("factor") or max_pos / original)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": [float(x) for x in scaling["short_factor"]],
+            "attention_factor": float(attention),
+            "original_max_position_embeddings": original,
+        }
+        out["max_position_embeddings"] = min(max_pos, original)
+    elif kind != "default":
+        raise QuickdraftError(f"Phi-3 rope_scaling type {kind!r} is not supported (supported: longrope)")
+    return out

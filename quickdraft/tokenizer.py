@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
@@ -182,16 +182,21 @@ class Tokenizer:
                 "This GGUF file has no tokenizer (tokenizer.ggml.model/tokens are missing); "
                 "convert the model again with llama.cpp's convert_hf_to_gguf.py, which embeds it."
             )
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise QuickdraftError(
                 f"Tokenizer type {model!r} in this GGUF file is not supported (only 'gpt2', the "
-                "byte-level BPE of Llama-3, Qwen, SmolLM... models). Use the model's Hugging Face "
+                "byte-level BPE of Llama-3, Qwen, SmolLM... models, and 'llama', the SentencePiece "
+                "BPE of Gemma, Llama-2, Mistral, Phi-3... models). Use the model's Hugging Face "
                 "directory with its tokenizer.json instead."
             )
         tokens = [str(t) for t in tokens]
         token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or ()]
-        backend = _byte_level_backend(meta, tokens, token_types)
-        specials = _gguf_specials(meta, tokens, token_types)
+        if model == "gpt2":
+            backend = _byte_level_backend(meta, tokens, token_types)
+        else:
+            backend = _sentencepiece_backend(meta, tokens, token_types)
+        # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say.
+        specials = _gguf_specials(meta, tokens, token_types, add_bos_default=model == "llama")
         _set_post_processor(backend, specials)
         unused = frozenset(
             i
@@ -616,6 +621,99 @@ def _byte_level_backend(
     return backend
 
 
+# SentencePiece vocabularies whose GGUF lists no usable scores: merges are ranked by file order.
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_SPM_SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
+
+
+def _sentencepiece_backend(
+    meta: Mapping[str, Any], tokens: list[str], token_types: list[int]
+) -> _Backend:
+    """SentencePiece BPE ("llama" in GGUF) as transformers' GGUF converter builds it.
+
+    The model is a BPE with byte fallback (``<0x..>`` tokens for bytes outside the vocabulary);
+    its merges are not in the file and are recovered from the vocabulary (:func:`_spm_merges`).
+    Three flavours, chosen by architecture as transformers does:
+
+    * Gemma: spaces become "▁" in a normalizer, no prefix space; whitespace-only tokens stored with
+      real spaces are respelled "▁▁..." (so merges built from them match), and merges are ranked by
+      file order (Gemma's scores are all equal);
+    * Phi-3: a normalizer prepends "▁" and respells spaces;
+    * others (Llama-2, Mistral ...): a Metaspace pre-tokenizer adds "▁" before the first word;
+      merges are ranked by the file's scores.
+    """
+    arch = str(meta.get("general.architecture") or "")
+    gemma = arch in _GEMMA_ARCHS
+    if gemma:
+        spelled = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks: dict[str, float] = {}
+        for i, t in enumerate(spelled):
+            ranks[t] = -i  # a repeated token keeps its first place and its last rank, as a dict does
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise QuickdraftError(
+                "This GGUF file's SentencePiece ('llama') vocabulary has no scores "
+                "(tokenizer.ggml.scores), "
+                "so its merges cannot be recovered; convert the model again with llama.cpp."
+            )
+        spelled = tokens
+        ranks = dict(zip(tokens, (float(x) for x in scores), strict=True))
+    vocab = {t: i for i, t in enumerate(spelled)}
+    backend = _Backend(
+        BPE(
+            vocab=vocab,
+            merges=_spm_merges(vocab, ranks),
+            dropout=None,
+            unk_token="<unk>" if gemma else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch == "phi3":
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPM_SPACE), normalizers.Replace(" ", _SPM_SPACE)]
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPM_SPACE, prepend_scheme="first", split=False
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    _add_gguf_added_tokens(backend, tokens, token_types, None, vocab)
+    return backend
+
+
+def _spm_merges(vocab: Mapping[str, int], ranks: Mapping[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies, in transformers' ``generate_merges`` order.
+
+    Every way to cut a token into two vocabulary entries is a merge. They are ranked by the
+    token's rank (best first), then longer left piece, then longer right piece; ties keep the
+    order of ``ranks`` (a stable sort). A token's own cuts never tie (each has its own left
+    length), so when the ranks fall strictly from token to token (Gemma's file order) the cuts
+    listed token by token, longest left piece first, are already sorted and no sort is needed.
+    """
+    pairs: list[tuple[str, str]] = []
+    for token in ranks:
+        for i in range(len(token) - 1, 0, -1):
+            left = token[:i]
+            if left in vocab:
+                right = token[i:]
+                if right in vocab:
+                    pairs.append((left, right))
+    values = list(ranks.values())
+    if all(a > b for a, b in zip(values, values[1:], strict=False)):
+        return pairs
+    keys = [(ranks[left + right], len(left), len(right)) for left, right in pairs]
+    order = sorted(range(len(pairs)), key=keys.__getitem__, reverse=True)
+    return [pairs[i] for i in order]
+
+
 def _merge_pair(merge: str) -> tuple[str, str]:
     """``"Ġ t"`` -> ``("Ġ", "t")``; byte-level tokens never contain a real space."""
     left, sep, right = merge.partition(" ")
@@ -649,19 +747,21 @@ def _add_gguf_added_tokens(
     backend: _Backend,
     tokens: list[str],
     token_types: list[int],
-    alphabet: set[str],
+    alphabet: set[str] | None,
     vocab: Mapping[str, int],
 ) -> None:
     """Control tokens become special added tokens, user-defined ones plain added tokens.
 
-    Added tokens are matched whole in the input instead of being cut by BPE. A control token
-    spelled outside the byte alphabet is a llama.cpp mislabel and is skipped, as transformers does.
+    Added tokens are matched whole in the input instead of being cut by BPE. In a byte-level
+    vocabulary (``alphabet`` given) a control token spelled outside the byte alphabet is a
+    llama.cpp mislabel and is skipped, as transformers does. A user-defined token is added as
+    the file spells it, and only where the model's vocabulary has that spelling.
     """
     pairs = list(zip(tokens, token_types, strict=False))  # types may be absent
     control = [
         AddedToken(t, normalized=False, special=True)
         for t, kind in pairs
-        if kind == _CONTROL and set(t) <= alphabet
+        if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)
     ]
     user = [
         AddedToken(t, normalized=False, special=False)
@@ -674,8 +774,11 @@ def _add_gguf_added_tokens(
         backend.add_tokens(user)
 
 
-def _gguf_specials(meta: Mapping[str, Any], tokens: list[str], token_types: list[int]) -> _Specials:
-    """Special ids from ``tokenizer.ggml.*_token_id`` and the add_bos/add_eos flags."""
+def _gguf_specials(
+    meta: Mapping[str, Any], tokens: list[str], token_types: list[int], add_bos_default: bool = False
+) -> _Specials:
+    """Special ids from ``tokenizer.ggml.*_token_id`` and the add_bos/add_eos flags
+    (``add_bos_default`` where the file has no add_bos flag)."""
 
     def token_id(key: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{key}")
@@ -688,7 +791,7 @@ def _gguf_specials(meta: Mapping[str, Any], tokens: list[str], token_types: list
         "pad_token": token_id("padding_token_id"),
     }
     extra = {i for i in (token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and ids["bos_token"] is not None
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and ids["bos_token"] is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and ids["eos_token"] is not None
     return _Specials(
         bos_id=ids["bos_token"],

@@ -59,6 +59,18 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},  # attention_bias is implied
     "qwen3": {"head_dim": 32, "use_sliding_window": False, "sliding_window": None},
+    # head_dim and query_pre_attn_scalar differ from hidden/heads and from each other, the window
+    # is shorter than the test texts, and the two RoPE bases differ, so each is exercised.
+    "gemma3_text": {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 5,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    },
+    "phi3": {"sliding_window": None, "original_max_position_embeddings": 512},
 }
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
@@ -181,6 +193,16 @@ _GGUF_LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Architecture-specific GGUF names (llama.cpp's tensor map): Phi-3's fused weights, Gemma 3's
+# four norms per layer.
+_GGUF_ARCH_LAYER = {
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma3": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+}
 _GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -240,12 +262,35 @@ def _llama3_rope_factors(config: Any) -> Any:
     return np.array(factors, dtype=np.float32)
 
 
-def hf_to_gguf(folder: Path, path: Path) -> Path:
+def _gemma3_metadata(writer: Any, config: Any) -> None:
+    """Gemma 3 keys: the window and, where the layer layout is not llama.cpp's built-in "every
+    6th layer is global", the per-layer pattern (True = sliding), as gguf-py writes it."""
+    import gguf
+
+    if config.query_pre_attn_scalar != config.head_dim:
+        raise ValueError("llama.cpp scales Gemma 3 scores by 1/sqrt(head_dim); this model cannot be a GGUF")
+    writer.add_sliding_window(config.sliding_window)
+    sliding = [t == "sliding_attention" for t in config.layer_types]
+    if sliding != [bool((i + 1) % 6) for i in range(len(sliding))]:
+        writer.add_sliding_window_pattern(sliding)
+    full = config.rope_parameters["full_attention"]
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+
+
+def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -> Path:
     """Convert a tiny Hugging Face folder to an F32 GGUF file as llama.cpp's converter would.
+
+    ``qtypes`` stores some tensors in block formats instead: GGUF name suffix (``"attn_q.weight"``)
+    -> GGML type name (``"Q8_0"``, ``"Q5_1"``, ``"BF16"`` ..., whatever ``gguf.quants`` can write).
 
     Tensor names, q/k row permutation (llama only), metadata keys, the tokenizer and, for
     rope_type "llama3", the ``rope_freqs.weight`` tensor follow convert_hf_to_gguf.py.
-    Mistral converts to architecture "llama", like llama.cpp does.
+    Mistral converts to architecture "llama", like llama.cpp does; Gemma 3 to "gemma3" with its
+    norm weights stored as ``1 + w``; Phi-3 keeps its fused attn_qkv / ffn_up (gate then up).
     """
     import gguf
     import numpy as np
@@ -253,7 +298,7 @@ def hf_to_gguf(folder: Path, path: Path) -> Path:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(folder))
-    arch = {"mistral": "llama"}.get(config.model_type, config.model_type)
+    arch = {"mistral": "llama", "gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -266,8 +311,18 @@ def hf_to_gguf(folder: Path, path: Path) -> Path:
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rotary = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(rotary)  # < head_dim: partial rotary (phi3)
+    rope = config.rope_parameters
+    if arch == "gemma3":
+        rope = rope["full_attention"]  # the sliding layers' base is llama.cpp's fixed 10000
+        _gemma3_metadata(w, config)
+    if arch == "phi3":
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError("LongRoPE Phi-3 GGUFs (rope_factors tensors) are not written here")
+        if config.sliding_window:
+            w.add_sliding_window(config.sliding_window)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     gguf_tokenizer_metadata(w)
@@ -279,12 +334,19 @@ def hf_to_gguf(folder: Path, path: Path) -> Path:
             array = _llama_cpp_permute(array, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp stores Gemma's (1 + w) norm multipliers
         if name in _GGUF_GLOBAL:
             gguf_name = _GGUF_GLOBAL[name]
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+            gguf_name = f"blk.{layer}.{_GGUF_ARCH_LAYER.get(arch, {}).get(rest) or _GGUF_LAYER[rest]}"
+        qtype = next((q for suffix, q in (qtypes or {}).items() if gguf_name.endswith(suffix)), None)
+        if qtype is None:
+            w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -304,3 +366,50 @@ def reference_logits(model: Any, ids: list[int] | torch.Tensor) -> torch.Tensor:
     """Full-sequence logits ``[T, V]`` from a transformers causal LM (no cache)."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     return model(input_ids=ids.unsqueeze(0), use_cache=False).logits[0].float()
+
+
+# --------------------------------------------------------------- SentencePiece GGUF tokenizers
+
+
+def make_spm_gguf(path: Path, arch: str) -> Path:
+    """A tokenizer-only GGUF with a small SentencePiece ("llama") vocabulary, as llama.cpp writes
+    Llama-2 / Phi-3 / Gemma files: "▁"-spelled pieces learned on the tiny corpus, 256 byte-fallback
+    tokens ``<0x00>``.. (type BYTE), control and user-defined tokens (one spelled with real
+    spaces, as Gemma files store whitespace tokens), and scores with ties (every three pieces
+    share one), so merge recovery has to break ties the way transformers does. The arch keys are
+    the minimum transformers needs to read a config."""
+    import gguf
+    from tokenizers import models as tok_models
+
+    backend = _Backend(tok_models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=200, show_progress=False)
+    backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    vocab: dict[str, int] = json.loads(backend.to_str())["model"]["vocab"]
+    learned = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    extra = ["<start_of_turn>", "<think>", "  ", "\n\n"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *learned, *extra]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(learned) + [3, 4, 4, 4]  # unknown, control, byte, normal, user
+    scores = [0.0] * 259 + [-float(i // 3) for i in range(len(learned))] + [0.0] * len(extra)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_key_length(4)
+    w.add_value_length(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
         raise QuickdraftError("--system needs the chat template; drop --raw or --system")
     say = (lambda _m: None) if args.quiet else info
     llm = load_llm(args, say)
-    if args.raw:
+    if args.raw or (llm.tokenizer.chat_template is None and not args.system):
+        if not args.raw:  # a base model (e.g. gemma-3-270m): there is no chat format to apply
+            say("the model has no chat template; completing the prompt as plain text (as with --raw)")
         steps = llm.stream(prompt, params)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

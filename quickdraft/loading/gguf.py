@@ -1,11 +1,14 @@
 """GGUF files: metadata -> ModelConfig, tensors -> Hugging Face names (dequantized by ``gguf``).
 
 The ``gguf`` package (from the llama.cpp project) parses the file and dequantizes every block
-format the shipped models use (F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
+format the shipped models use (F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K). When quantized
+weights are kept for the CPU kernels, a matrix in a format the kernels lack (Q5_K, Q3_K, BF16 ...)
+is dequantized instead, so such files still load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf_file import GGUFFile
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
-ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -40,6 +43,23 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Per-architecture renames that differ from the table above. Gemma 3 has four norms per layer;
+# llama.cpp calls its pre-MLP norm "ffn_norm" (the Llama name of post_attention_layernorm).
+_ARCH_LAYER_NAMES = {
+    "gemma3_text": {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    # Phi-3 keeps its fused weights (llama.cpp's ffn_up holds gate then up, like gate_up_proj).
+    "phi3": {
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+}
+# Architectures whose GGUF norm weights are stored as ``1 + w`` (llama.cpp's converter adds the 1
+# that Gemma's RMSNorm adds at run time); the loader subtracts it again, as transformers does.
+_NORM_PLUS_ONE = ("gemma3_text",)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -88,7 +108,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") in ("linear",):
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    return ModelConfig(
+    cfg = ModelConfig(
         model_type=ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         hidden_size=hidden,
@@ -105,6 +125,56 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
+    if arch == "gemma3":
+        cfg = dataclasses.replace(cfg, **_gemma3_fields(meta, cfg))
+    elif arch == "phi3":
+        cfg = dataclasses.replace(cfg, **_phi3_fields(meta, cfg, tensor_names))
+    return cfg
+
+
+def _phi3_fields(meta: dict[str, Any], cfg: ModelConfig, tensor_names: set[str]) -> dict[str, Any]:
+    """Partial rotary (``rope.dimension_count`` below head_dim) and the all-layer sliding window.
+    LongRoPE files (``rope_factors_short/long`` tensors) are refused: their per-frequency factors
+    would have to be read from tensors, which quickdraft does not do for Phi-3 GGUFs."""
+    if any(name.startswith("rope_factors_") for name in tensor_names):
+        raise QuickdraftError(
+            "Phi-3 GGUF files with LongRoPE (rope_factors_short/long, the 128k-context models) are "
+            "not supported; use the model's Hugging Face folder, or a 4k-context model"
+        )
+    rotary = int(meta.get("phi3.rope.dimension_count") or cfg.head_dim)
+    window = meta.get("phi3.attention.sliding_window")
+    return {
+        "partial_rotary_factor": rotary / cfg.head_dim,
+        "sliding_window": int(window) if window else None,
+        "layer_types": ("sliding_attention",) * cfg.num_hidden_layers if window else None,
+    }
+
+
+def _gemma3_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to convention, filled in as llama.cpp does: every 6th layer is
+    a full-attention layer (unless the file lists the pattern), sliding layers use RoPE base
+    10000 unscaled, and scores are scaled by 1/sqrt(head_dim), except for the 27B model
+    (62 layers) whose query_pre_attn_scalar is hidden_size / heads."""
+    layers = cfg.num_hidden_layers
+    window = meta.get("gemma3.attention.sliding_window")
+    if window is None:
+        raise QuickdraftError("GGUF metadata lacks 'gemma3.attention.sliding_window'; the file is incomplete")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        if len(pattern) != layers:
+            raise QuickdraftError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    scalar = cfg.hidden_size / cfg.num_attention_heads if layers == 62 else cfg.head_dim
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    return {
+        "sliding_window": int(window),
+        "layer_types": tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": float(scalar),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+    }
 
 
 def rope_freq_factors(reader: GGUFFile) -> list[float] | None:
@@ -115,14 +185,17 @@ def rope_freq_factors(reader: GGUFFile) -> list[float] | None:
     return None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown)."""
+def hf_name(gguf_name: str, model_type: str | None = None) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown);
+    ``model_type`` selects an architecture's own renames (:data:`_ARCH_LAYER_NAMES`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+    if m is None:
+        return None
+    names = _ARCH_LAYER_NAMES.get(model_type or "", {})
+    local = names.get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return None if local is None else f"model.layers.{m.group(1)}.{local}"
 
 
 def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTensor:
@@ -152,19 +225,28 @@ class QuantTensor:
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 
 
+def _kernel_types() -> tuple[GGMLQuantizationType, ...]:
+    """Block formats :class:`quickdraft.quant.ggml.GGMLLinear` computes on directly."""
+    from quickdraft.quant.ggml import SUPPORTED_TYPES
+
+    return tuple(t for t in SUPPORTED_TYPES if t not in _FLOAT_TYPES)
+
+
 def iter_tensors(
     reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor in HF layout: float32, or with
     ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
     permute = cfg.model_type == "llama"
+    kernel_types = _kernel_types() if keep_quantized else ()
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.model_type)
         if name is None:
             if t.name.startswith("rope_freqs"):
                 continue  # read by rope_freq_factors() into the config
             raise QuickdraftError(f"unexpected tensor {t.name!r} in GGUF; this model variant is not supported")
-        if keep_quantized and t.tensor_type not in _FLOAT_TYPES and len(t.shape) == 2:
+        # Block formats the kernels lack (Q5_K, Q3_K, BF16 ...) are dequantized below instead.
+        if keep_quantized and t.tensor_type in kernel_types and len(t.shape) == 2:
             yield name, _quant_tensor(t, name, cfg, permute)
             continue
         try:
@@ -178,4 +260,6 @@ def iter_tensors(
             w = _unpermute(w, cfg.num_attention_heads)
         elif permute and name.endswith("k_proj.weight"):
             w = _unpermute(w, cfg.num_key_value_heads)
+        if cfg.model_type in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
         yield name, torch.from_numpy(np.ascontiguousarray(w))

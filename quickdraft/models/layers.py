@@ -8,7 +8,7 @@ kernels with the same call signature.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +33,30 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        t = x.shape[0]
-        if t > BLOCKED_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        pad = (-t) % ROW_BLOCK
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        blocks = [F.linear(x[i : i + ROW_BLOCK], self.weight, self.bias) for i in range(0, t + pad, ROW_BLOCK)]
-        return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
+        return blocked_linear(x, self.weight, self.bias)
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` computed the batch-invariant way :class:`Linear` describes (also used by
+    layers that build their weight on the fly, e.g. ``quickdraft.quant.fp8.FP8Linear``)."""
+    t = x.shape[0]
+    if t > BLOCKED_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    pad = (-t) % ROW_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    blocks = [F.linear(x[i : i + ROW_BLOCK], weight, bias) for i in range(0, t + pad, ROW_BLOCK)]
+    return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
+
+
+def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``; quantized GGML layers that share ``x`` run as ONE kernel call
+    (activations quantized once, one thread team), with bitwise the same results."""
+    from quickdraft.quant.ggml import GGMLLinear, ggml_linear_multi
+
+    if isinstance(modules[0], GGMLLinear):
+        return ggml_linear_multi(modules, x)
+    return [m(x) for m in modules]
 
 
 class QuantEmbedding(nn.Module):
@@ -136,15 +152,37 @@ class Step:
     cache: KVCache
     tree: bool = False  # mask is not causal: short passes gather each row's visible slots
     row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i
+    _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
+        default_factory=dict, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
             self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
 
+    def windowed(self, size: int) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """``(mask, row_slots)`` for sliding-window layers: each row additionally drops every slot
+        whose position is ``size`` or more behind its own (it sees positions ``p-size+1 .. p``, as
+        Hugging Face's ``kv > q - size``). Committed slots hold their own position; this pass's
+        slots hold ``positions`` (tree depths included). Computed once per pass and size."""
+        if size not in self._windows:
+            slot_pos = torch.cat([torch.arange(self.start, device=self.positions.device), self.positions])
+            near = slot_pos.unsqueeze(0) > self.positions.unsqueeze(1) - size  # [T, start + T]
+            mask = near if self.mask is None else self.mask & near
+            rows = None
+            if self.row_slots is not None:
+                rows = [idx[slot_pos[idx] > p - size] for idx, p in zip(self.row_slots, self.positions.tolist(), strict=True)]
+            self._windows[size] = (mask, rows)
+        return self._windows[size]
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: Rope) -> None:
+    """Self-attention over the static cache. ``window``: sliding-window attention (a row sees only
+    the last ``window`` positions, itself included); None = every earlier position."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
         self.q_proj = Linear(h, self.nh * self.hd, bias=cfg.attention_bias)
@@ -159,17 +197,25 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = 1.0 / math.sqrt(self.hd)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[Hq, T, D]``, k and v ``[Hkv, T, D]`` (models with a fused qkv weight override this)."""
+        t = x.shape[0]
+        q, k, v = linear_group([self.q_proj, self.k_proj, self.v_proj], x)  # one kernel call when quantized
+        q = q.view(t, self.nh, self.hd).transpose(0, 1)  # [Hq, T, D]
+        k = k.view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
+        v = v.view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
+        return q, k, v
+
     def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.nh, self.hd).transpose(0, 1)  # [Hq, T, D]
-        k = self.k_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
-        v = self.v_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
+        q, k, v = self.project(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
         if t > BLOCKED_MAX_ROWS:
-            out = self._attend(q, keys, values, step.mask)  # [Hq, T, D]
+            mask = step.mask if self.window is None else step.windowed(self.window)[0]
+            out = self._attend(q, keys, values, mask)  # [Hq, T, D]
         else:
             out = torch.cat([self._attend_row(q, keys, values, step, i) for i in range(t)], dim=1)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
@@ -187,10 +233,13 @@ class Attention(nn.Module):
         The call is the same one plain decoding makes for that token (same keys, same length),
         so its result is bitwise the same whatever other rows share the pass (batch invariance).
         """
-        if step.row_slots is None:  # chain: row i sees every slot up to its own
+        if step.row_slots is None:  # chain: row i sees every slot up to its own (the last `window`)
             end = step.start + i + 1
-            return self._attend(q[:, i : i + 1], k[:, :end], v[:, :end], None)
-        idx = step.row_slots[i]  # tree: prefix + ancestors + self, in slot order
+            lo = 0 if self.window is None else max(0, end - self.window)
+            return self._attend(q[:, i : i + 1], k[:, lo:end], v[:, lo:end], None)
+        rows = step.row_slots if self.window is None else step.windowed(self.window)[1]
+        assert rows is not None
+        idx = rows[i]  # tree: prefix + ancestors + self, in slot order
         return self._attend(q[:, i : i + 1], k.index_select(1, idx), v.index_select(1, idx), None)
 
 
@@ -202,7 +251,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_group([self.gate_proj, self.up_proj], x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,114 @@
+"""Phi-3 / Phi-4-mini (HF ``model_type`` "phi3"; GGUF architecture "phi3").
+
+The Llama decoder with, as in transformers' ``modeling_phi3``:
+
+* fused weights, kept fused: ``self_attn.qkv_proj`` (rows: q heads, then k, then v) and
+  ``mlp.gate_up_proj`` (rows: gate, then up), so one matmul serves each pair and quantized GGUF
+  tensors (``attn_qkv``, ``ffn_up``) stay whole;
+* partial rotary embeddings (``partial_rotary_factor``: RoPE on the first dims of each head,
+  the rest passes through), Phi-4-mini's 0.75;
+* LongRoPE (``rope_scaling`` "longrope"/"su") within the original context: frequencies divided
+  by ``short_factor``, cos/sin scaled by the attention factor (see ``config._phi3_fields``);
+* the sliding window of ``sliding_window`` positions on every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import llama
+from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step
+
+
+class PartialRope(Rope):
+    """RoPE over the first ``head_dim * partial_rotary_factor`` dims, with LongRoPE's short factors."""
+
+    def reset_tables(self, device: torch.device | str | None = None) -> None:
+        device = device or self.cos.device
+        cfg = self.cfg
+        dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        scaling = cfg.rope_scaling or {}
+        scale = 1.0
+        if scaling.get("rope_type") == "longrope":
+            inv = inv / torch.tensor(scaling["short_factor"], dtype=torch.float64)
+            scale = float(scaling["attention_factor"])
+        elif scaling:
+            raise QuickdraftError(f"Phi-3 rope_scaling {scaling.get('rope_type')!r} is not supported (supported: longrope)")
+        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32), inv.float()).to(device)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [S, dim]
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        dim = self.cos.shape[-1]
+        if dim == x.shape[-1]:
+            return super().forward(x, positions)
+        return torch.cat([super().forward(x[..., :dim], positions), x[..., dim:]], dim=-1)
+
+
+class Phi3Attention(Attention):
+    def __init__(self, cfg: ModelConfig, rope: Rope, window: int | None) -> None:
+        super().__init__(cfg, rope, window=window)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.reshape(t, self.nh, self.hd).transpose(0, 1),
+            k.reshape(t, self.nkv, self.hd).transpose(0, 1),
+            v.reshape(t, self.nkv, self.hd).transpose(0, 1),
+        )
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: Rope) -> None:
+        super().__init__()
+        self.self_attn = Phi3Attention(cfg, rope, cfg.sliding_window if cfg.layer_types else None)
+        self.mlp = Phi3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layer, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = PartialRope(cfg, max_len)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(llama.CausalLM):
+    """:class:`llama.CausalLM` (same forward, cache and captures) over Phi-3 layers."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.max_len = max_len
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.model = _Backbone(cfg, max_len)  # type: ignore[assignment]
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
