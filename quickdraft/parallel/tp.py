@@ -80,7 +80,7 @@ def slice_rows(mod: nn.Module, a: int, b: int) -> nn.Module:
 
     if isinstance(mod, GGMLLinear):
         bias = mod.bias[a:b].clone() if mod.bias is not None else None
-        return GGMLLinear(mod.qtype, mod.raw[a:b].clone(), mod.in_features, bias)
+        return GGMLLinear(mod.qtype, mod.raw[a:b].clone(), mod.in_features, bias, activations=mod.activations)
     if isinstance(mod, nn.Linear):
         w = mod.weight
         out = Linear(w.shape[1], b - a, bias=mod.bias is not None, device=w.device, dtype=w.dtype)
@@ -107,7 +107,7 @@ def slice_cols(mod: nn.Module, a: int, b: int, keep_bias: bool) -> nn.Module:
             )
         raw = mod.raw[:, a // bs * ts : b // bs * ts].contiguous()
         bias = mod.bias.clone() if keep_bias and mod.bias is not None else None
-        return GGMLLinear(mod.qtype, raw, b - a, bias)
+        return GGMLLinear(mod.qtype, raw, b - a, bias, activations=mod.activations)
     if isinstance(mod, nn.Linear):
         w = mod.weight
         has_bias = keep_bias and mod.bias is not None
