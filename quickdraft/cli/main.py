@@ -15,7 +15,7 @@ import sys
 from quickdraft import __version__
 from quickdraft.errors import QuickdraftError
 
-SUBCOMMANDS = ("generate", "chat", "models", "selftest", "bench", "serve")
+SUBCOMMANDS = ("generate", "chat", "models", "selftest", "bench", "serve", "train-eagle3", "quantize")
 
 
 def build_parser() -> argparse.ArgumentParser:

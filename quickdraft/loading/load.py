@@ -24,6 +24,7 @@ from quickdraft.loading.gguf import QuantTensor
 from quickdraft.loading.weights import load_weights
 from quickdraft.models import build_model
 from quickdraft.models.llama import CausalLM
+from quickdraft.quant.fp8 import FP8Tensor, fp8_format, fp8_tensors
 from quickdraft.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -89,11 +90,13 @@ def load_model(
     path = resolve(spec)
     quantized = dtype == "auto" and path.is_file() and _kernels_available(device)
     dtype = "float32" if quantized else ("bfloat16" if dtype == "auto" else dtype)
-    tensors: Iterator[tuple[str, torch.Tensor | QuantTensor]]
+    tensors: Iterator[tuple[str, torch.Tensor | QuantTensor | FP8Tensor]]
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = st_io.iter_tensors(path)
+        if (fp8 := fp8_format(cfg.extra)) is not None:  # FP8 checkpoint: pair weights with scales
+            tensors = fp8_tensors(st_io.iter_tensors(path), fp8)
     elif not quantized and _is_zoo_file(path) and (converted := converted_path(path, dtype)).is_file():
         cfg = converted_config(converted)
         tokenizer = Tokenizer.from_gguf(path)
@@ -111,6 +114,9 @@ def load_model(
         model = build_model(cfg, max_len)
     assert isinstance(model, CausalLM)
     model.materialize(device, DTYPES[dtype])
+    convert = getattr(model, "convert_checkpoint", None)  # MoE models: expert layouts and names
+    if convert is not None:
+        tensors = convert(tensors)
     load_weights(model, tensors, tied=cfg.tie_word_embeddings)
     model.eval()
     if not quantized and _is_zoo_file(path) and not converted_path(path, dtype).is_file():
@@ -160,7 +166,7 @@ def save_converted(model: CausalLM, cfg: ModelConfig, dest: Path) -> None:
 
 def _context_length(cfg: ModelConfig, requested: int | None) -> int:
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
+    if cfg.sliding_window and cfg.layer_types is None:  # with layer_types the window is computed
         limit = min(limit, cfg.sliding_window)
     if requested is None:
         return min(limit, DEFAULT_MAX_CONTEXT)

@@ -16,13 +16,14 @@ from torch import nn
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf import QuantTensor
+from quickdraft.quant.fp8 import FP8Tensor, install_fp8_linear
 
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_weights(
-    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | QuantTensor]], tied: bool
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | QuantTensor | FP8Tensor]], tied: bool
 ) -> None:
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away
     filled: set[str] = set()
@@ -32,11 +33,13 @@ def load_weights(
         param = params.get(name)
         if param is None:
             raise QuickdraftError(f"checkpoint tensor {name!r} has no place in the model; is the config right?")
-        shape = tensor.shape if isinstance(tensor, QuantTensor) else tuple(tensor.shape)
+        shape = tensor.shape if isinstance(tensor, QuantTensor | FP8Tensor) else tuple(tensor.shape)
         if tuple(shape) != tuple(param.shape):
             raise QuickdraftError(f"tensor {name} has shape {tuple(shape)}, the model expects {tuple(param.shape)}")
         if isinstance(tensor, QuantTensor):
             _install_quantized(model, name, tensor, tied)
+        elif isinstance(tensor, FP8Tensor):  # FP8 checkpoints: the Linear becomes an FP8Linear
+            install_fp8_linear(model, name, tensor)
         else:
             with torch.no_grad():
                 param.copy_(tensor)
