@@ -263,3 +263,31 @@ def test_auto_fixed_k_beyond_acceptance_positions(
     assert ids == truth
     assert auto.usage["echo"] > 0 and stats.accepted > 8  # type: ignore[attr-defined]
     assert all(0.0 <= r <= 1.0 for r in echo.acceptance.rates)
+
+
+class BehindDrafter(EchoDrafter):
+    """A model drafter that has missed ``len(pending)`` tokens while other drafters were used."""
+
+    name = "behind"
+
+    def __init__(self, truth: list[int], pending: int) -> None:
+        super().__init__(truth)
+        self.pending = list(range(pending))
+
+
+def test_auto_charges_a_draft_model_for_catching_up() -> None:
+    """Switching to a model drafter that is far behind costs its catch-up pass (before this charge,
+    catching up looked free, and n-gram + draft model ran slower than n-gram alone)."""
+    cost = FrozenCost({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 32: 5.0})
+    truth = list(range(100, 140))
+
+    def chosen(pending: int) -> int:
+        cand = Candidate(BehindDrafter(truth, pending), Acceptance(0.9, 8), 0.5, cheap=False)
+        auto = AutoDrafter([cand], cost)
+        return auto._choose(8)[1].k
+
+    assert chosen(1) > 0  # in sync: drafting pays (1.9 tokens for 1.6 one-token passes at k = 1)
+    assert chosen(32) == 0  # 32 missed tokens cost a pass worth 5 one-token passes: plain wins
+    assert AutoDrafter([], cost)._catch_up_seconds(
+        Candidate(BehindDrafter(truth, 32), Acceptance(0.9, 8), 0.5, cheap=False)
+    ) == pytest.approx(0.5 * (5.0 - 1.0))

@@ -41,8 +41,8 @@ from quickdraft.spec.factory import DEFAULT_DRAFTS, SpecConfig, build_drafter
 from quickdraft.spec.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
-METHODS = ("none", "ngram", "draft", "auto", "eagle3")  # eagle3 is written eagle3=HEAD_PATH
-EAGLE3 = "eagle3"
+METHODS = ("none", "ngram", "draft", "auto", "eagle3", "eagle3-chain")  # eagle3[-chain]=HEAD_PATH
+EAGLE3, EAGLE3_CHAIN = "eagle3", "eagle3-chain"  # dynamic trees (cost model) / one chain per step
 NOT_YET: tuple[str, ...] = ()  # accepted once implemented
 WARMUP_TOKENS = 8
 
@@ -209,11 +209,11 @@ def parse_methods(text: str) -> list[str]:
     """Validate a comma-separated method list (may be empty when only endpoints are measured)."""
     methods = [_method_token(m) for m in text.split(",") if m.strip()]
     for m in methods:
-        if m.startswith(EAGLE3 + "="):
+        if method_name(m) in (EAGLE3, EAGLE3_CHAIN) and "=" in m:
             if not m.split("=", 1)[1]:
-                raise QuickdraftError("method 'eagle3=' needs a head path after '=': eagle3=PATH")
+                raise QuickdraftError(f"method '{method_name(m)}=' needs a head path after '=': {method_name(m)}=PATH")
             continue
-        if m == EAGLE3:
+        if m in (EAGLE3, EAGLE3_CHAIN):
             raise QuickdraftError(
                 "method 'eagle3' takes the EAGLE-3 head to run: write eagle3=PATH (a head folder or .safetensors)"
             )
@@ -286,8 +286,8 @@ def build_in_process(
     for m in methods:
         rss = proc.memory_info().rss
         drafter: Drafter | None
-        if method_name(m) == EAGLE3:  # reported under its full name: eagle3=PATH says which head
-            drafter, k = _eagle3_contender(m.split("=", 1)[1], target, opts, say)
+        if method_name(m) in (EAGLE3, EAGLE3_CHAIN):  # reported under its full name: =PATH says which head
+            drafter, k = _eagle3_contender(m.split("=", 1)[1], target, opts, say, chain=method_name(m) == EAGLE3_CHAIN)
         else:
             draft = draft_model_for(model_spec, opts) if m == "draft" else m
             drafter, k = build_drafter(
@@ -308,7 +308,7 @@ def build_in_process(
 
 
 def _eagle3_contender(
-    head: str, target: LoadedModel, opts: MethodOptions, say: Callable[[str], None]
+    head: str, target: LoadedModel, opts: MethodOptions, say: Callable[[str], None], chain: bool = False
 ) -> tuple[Drafter, int]:
     """The EAGLE-3 head alone (no n-gram beside it), trees sized by its cost model unless
     --num-draft fixes them. No canary: measuring the head, good or bad, is the point."""
@@ -316,7 +316,7 @@ def _eagle3_contender(
 
     if not Path(head).expanduser().exists():
         raise QuickdraftError(f"no such EAGLE-3 head: {head}")
-    drafter = build_eagle3_drafter(head, target, opts.num_draft, say, canary=False)
+    drafter = build_eagle3_drafter(head, target, opts.num_draft, say, canary=False, mode="chain" if chain else "auto")
     assert drafter is not None  # only the canary refuses a head
     return drafter, opts.num_draft or drafter.shape.max_nodes
 

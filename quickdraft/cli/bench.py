@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--methods",
         default=None,
-        help=f"comma-separated: none, ngram, draft, auto (default: {DEFAULT_METHODS}; "
-        "no in-process method when --endpoint is given)",
+        help=f"comma-separated: none, ngram, draft, auto, eagle3=HEAD (EAGLE-3 trees), eagle3-chain=HEAD "
+        f"(default: {DEFAULT_METHODS}; no in-process method when --endpoint is given)",
     )
     g.add_argument(
         "--draft-model",

@@ -135,6 +135,7 @@ def build_eagle3_drafter(
     say: Callable[[str], None] = lambda _m: None,
     canary: bool = True,
     standalone: bool = True,
+    mode: str = "auto",
 ) -> Eagle3Drafter | None:
     """Load the head at ``spec`` for ``target``; None when the canary finds it useless.
 
@@ -142,6 +143,7 @@ def build_eagle3_drafter(
     and the file did not name its aux layer convention, the other convention is tried before
     giving up. ``num_draft``: fixed tree size (no cost model). ``standalone``: the drafter measures
     and tracks the target's pass costs itself (not inside an AutoDrafter, which shares its own).
+    ``mode``: "auto"/"tree" (dynamic trees) or "chain".
     """
     from quickdraft.spec.eagle3.canary import CANARY_TOKENS, MIN_TAU, canary_tau  # runs the engine
 
@@ -174,5 +176,5 @@ def build_eagle3_drafter(
     if num_draft is not None:
         shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))
     cost = TargetCost(measure_pass_seconds(target.model, rows=cost_rows(target.model.device))) if standalone else None
-    return Eagle3Drafter(head, target.model, shape=shape, cost=cost, policy=num_draft is None)
+    return Eagle3Drafter(head, target.model, mode=mode, shape=shape, cost=cost, policy=num_draft is None)
 

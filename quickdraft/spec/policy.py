@@ -91,13 +91,15 @@ class Candidate:
     seconds_per_token: float  # drafting cost per drafted token
     cheap: bool  # proposing is ~free (n-gram): look at its proposal before deciding
     idle: int = 0  # steps since last used
+    extra_seconds: float = 0.0  # measured per-use drafting time beyond the model (picking, syncs, ...)
 
 
-def best_k(cost: TargetCost, cand: Candidate, max_k: int) -> tuple[int, float]:
-    """The k in 0..max_k with the highest expected tokens/s, and that rate."""
+def best_k(cost: TargetCost, cand: Candidate, max_k: int, overhead: float = 0.0) -> tuple[int, float]:
+    """The k in 0..max_k with the highest expected tokens/s, and that rate. ``overhead``: seconds
+    the drafter must spend before its first token whatever k is (catching up on missed tokens)."""
     best = (0, 1.0 / cost(1))
     for k in range(1, max_k + 1):
-        rate = cand.acceptance.expected_tokens(k) / (cost(k + 1) + cand.seconds_per_token * k)
+        rate = cand.acceptance.expected_tokens(k) / (cost(k + 1) + cand.seconds_per_token * k + overhead)
         if rate > best[1]:
             best = (k, rate)
     return best
@@ -168,8 +170,9 @@ class AutoDrafter:
                 # already paid for drafting it: compare its own estimate per target pass.
                 k, rate = limit, estimate(limit) / self.cost(limit + 1)
             else:
-                k, rate = best_k(self.cost, c, limit)
-            if k == 0 and c.idle > PROBE_EVERY and limit > 0:
+                k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
+            # probe a stale drafter now and then, unless catching it up costs more than a pass
+            if k == 0 and c.idle > PROBE_EVERY and limit > 0 and self._catch_up_seconds(c) < self.cost(1):
                 k, rate = min(PROBE_K, limit), float("inf")  # probe: refresh stale estimates
             if k > 0 and rate > best[0]:
                 best = (rate, c, k, preview)
@@ -177,7 +180,14 @@ class AutoDrafter:
         if chosen is None:
             return None, Draft(tokens=torch.empty(0, dtype=torch.long))
         chosen.idle = 0
+        catch_up = self._catch_up_seconds(chosen)
+        t0 = time.perf_counter()
         draft = _cut(preview, k) if preview is not None else chosen.drafter.propose(k)
+        if preview is None and draft.k:
+            # What this use really cost beyond the model's k * seconds_per_token + catch-up:
+            # learned, so a drafter whose real cost is higher stops looking like it pays.
+            spent = time.perf_counter() - t0 - catch_up - chosen.seconds_per_token * draft.k
+            chosen.extra_seconds = (1 - EMA) * chosen.extra_seconds + EMA * max(0.0, spent)
         steady = getattr(chosen.drafter, "last_token_seconds", None)
         if not chosen.cheap and steady is not None:
             # Per-token cost from the drafter's steady one-token passes: the catch-up pass over
@@ -185,6 +195,19 @@ class AutoDrafter:
             # here would make an idle drafter look ever more expensive and never get used again.
             chosen.seconds_per_token = (1 - EMA) * chosen.seconds_per_token + EMA * steady
         return chosen, draft
+
+    def _catch_up_seconds(self, c: Candidate) -> float:
+        """What a drafter with its own model pays first for the tokens it missed while idle.
+
+        Its first pass reads them all (as a multi-row pass: cheaper per row, scaled like the
+        target's pass costs); one row of it is the usual one-token step already in
+        ``seconds_per_token``. Without this, switching between n-gram steps and a draft model
+        looks free, and the mix ends up slower than n-gram lookup alone.
+        """
+        pending = len(getattr(c.drafter, "pending", ()))
+        if c.cheap or pending <= 1:
+            return 0.0
+        return c.seconds_per_token * (self.cost(pending) / self.cost(1) - 1.0)
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         if self._t_ready:  # a verify pass ran since propose (not the prefill's first token)
