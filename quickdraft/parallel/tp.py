@@ -171,10 +171,8 @@ def shard_model(
     ``group`` carries the all-reduces (NCCL on GPUs), ``ctrl_group`` the small control messages
     (CPU tensors: gloo). None = the default group for both."""
     cfg = model.config
-    if type(model) is not CausalLM:
-        raise QuickdraftError(
-            f"tensor parallelism supports the dense llama-family models; {cfg.model_type} is not supported yet"
-        )
+    if not isinstance(model, CausalLM) or isinstance(model, TPCausalLM):
+        raise QuickdraftError(f"cannot split {type(model).__name__}: not an unsplit quickdraft causal LM")
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     group_size = nh // nkv
     kv = split_points(nkv, world, what="key/value heads")
@@ -182,24 +180,73 @@ def shard_model(
     q0, q1 = kv0 * group_size, kv1 * group_size
     for layer in model.model.layers:
         attn: Any = layer.self_attn
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise QuickdraftError(
+                f"tensor parallelism needs separate q/k/v projections; {cfg.model_type} fuses them (not supported yet)"
+            )
         attn.q_proj = slice_rows(attn.q_proj, q0 * hd, q1 * hd)
         attn.k_proj = slice_rows(attn.k_proj, kv0 * hd, kv1 * hd)
         attn.v_proj = slice_rows(attn.v_proj, kv0 * hd, kv1 * hd)
         attn.o_proj = RowParallel(slice_cols(attn.o_proj, q0 * hd, q1 * hd, keep_bias=rank == 0), group)
         attn.nh, attn.nkv = q1 - q0, kv1 - kv0
-        mlp: Any = layer.mlp
-        inter = split_points(cfg.intermediate_size, world, _block_size(mlp.down_proj), "MLP width")
-        i0, i1 = inter[rank], inter[rank + 1]
-        mlp.gate_proj = slice_rows(mlp.gate_proj, i0, i1)
-        mlp.up_proj = slice_rows(mlp.up_proj, i0, i1)
-        mlp.down_proj = RowParallel(slice_cols(mlp.down_proj, i0, i1, keep_bias=rank == 0), group)
+        if _is_moe(layer.mlp):
+            # Every expert (and the shared expert) split like a dense MLP; the router stays whole.
+            # The block's output is linear in the experts' partial outputs: one all-reduce at the end.
+            moe: Any = layer.mlp
+            for expert in [*moe.experts, *([moe.shared_expert] if moe.shared_expert is not None else [])]:
+                _split_mlp(expert, rank, world, cfg.model_type, reduce=None)
+            layer.mlp = AllReduce(moe, group)
+        else:
+            _split_mlp(layer.mlp, rank, world, cfg.model_type, reduce=group if group is not None else True)
     vocab = split_points(cfg.vocab_size, world, what="vocabulary")
     model.lm_head = VocabParallel(  # type: ignore[assignment]
         slice_rows(model.lm_head, vocab[rank], vocab[rank + 1]), vocab, group)
-    model.__class__ = TPCausalLM
+    cls = type(model)
+    if cls not in _TP_CLASSES:  # the model's own class with the TP control mixed in before it
+        _TP_CLASSES[cls] = type(f"TP{cls.__name__}", (TPCausalLM, cls), {"__module__": cls.__module__})
+    model.__class__ = _TP_CLASSES[cls]
     assert isinstance(model, TPCausalLM)
     model.tp_setup(rank, world, kv1 - kv0, ctrl_group)
     return model
+
+
+_TP_CLASSES: dict[type, type] = {}
+
+
+def _is_moe(mlp: nn.Module) -> bool:
+    from quickdraft.models.moe import SparseMoE
+
+    return isinstance(mlp, SparseMoE)
+
+
+def _split_mlp(mlp: Any, rank: int, world: int, model_type: str, reduce: dist.ProcessGroup | None | bool) -> None:
+    """Column-split gate/up, row-split down (all-reduced unless ``reduce`` is None: the caller sums)."""
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        raise QuickdraftError(
+            f"tensor parallelism needs separate gate/up projections; {model_type} fuses them (not supported yet)"
+        )
+    down = mlp.down_proj
+    width = int(down.in_features)
+    inter = split_points(width, world, _block_size(down), "MLP width")
+    i0, i1 = inter[rank], inter[rank + 1]
+    mlp.gate_proj = slice_rows(mlp.gate_proj, i0, i1)
+    mlp.up_proj = slice_rows(mlp.up_proj, i0, i1)
+    local = slice_cols(down, i0, i1, keep_bias=rank == 0)
+    mlp.down_proj = local if reduce is None else RowParallel(local, reduce if reduce is not True else None)
+
+
+class AllReduce(nn.Module):
+    """A block whose output is a partial sum on each rank (a split MoE): summed over the group."""
+
+    def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x).contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y
 
 
 class TPKVCache(KVCache):
@@ -273,7 +320,7 @@ class TPCausalLM(CausalLM):
                 dist.broadcast(positions.to(torch.long).cpu().contiguous(), src=0, group=self.tp_group)
             if mask is not None:
                 dist.broadcast(mask.to(torch.uint8).cpu().contiguous(), src=0, group=self.tp_group)
-        return super().forward(ids, cache, positions, mask, capture, num_logits)
+        return super().forward(ids, cache, positions, mask, capture, num_logits)  # the model's own
 
 
 def _free_cache(owner_ref: weakref.ref, cache_id: int) -> None:
@@ -318,7 +365,7 @@ def worker_loop(model: TPCausalLM) -> None:
                 dist.broadcast(m, src=0, group=group)
                 mask = m.bool().to(model.device)
             dev = model.device
-            CausalLM.forward(model, ids.to(dev), cache, None if positions is None else positions.to(dev), mask,
+            super(TPCausalLM, model).forward(ids.to(dev), cache, None if positions is None else positions.to(dev), mask,
                              (), None if num_logits < 0 else num_logits)
         else:
             raise RuntimeError(f"tensor-parallel worker: unknown op {op}")
