@@ -31,7 +31,16 @@ from torch import nn
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
 from quickdraft.models import llama
-from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, Step, causal_mask, linear_group
+from quickdraft.models.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    Rope,
+    Step,
+    causal_mask,
+    linear_group,
+)
 
 SLIDING = "sliding_attention"
 

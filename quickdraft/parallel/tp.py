@@ -189,7 +189,8 @@ def shard_model(
         attn.v_proj = slice_rows(attn.v_proj, kv0 * hd, kv1 * hd)
         attn.o_proj = RowParallel(slice_cols(attn.o_proj, q0 * hd, q1 * hd, keep_bias=rank == 0), group)
         attn.nh, attn.nkv = q1 - q0, kv1 - kv0
-        if _is_moe(layer.mlp):
+        block: Any = layer
+        if _is_moe(block.mlp):
             # Every expert (and the shared expert) split like a dense MLP; the router stays whole.
             # The block's output is linear in the experts' partial outputs: one all-reduce at the end.
             moe: Any = layer.mlp
@@ -219,7 +220,7 @@ def _is_moe(mlp: nn.Module) -> bool:
     return isinstance(mlp, SparseMoE)
 
 
-def _split_mlp(mlp: Any, rank: int, world: int, model_type: str, reduce: dist.ProcessGroup | None | bool) -> None:
+def _split_mlp(mlp: Any, rank: int, world: int, model_type: str, reduce: Any) -> None:
     """Column-split gate/up, row-split down (all-reduced unless ``reduce`` is None: the caller sums)."""
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         raise QuickdraftError(
