@@ -908,3 +908,22 @@ def test_tree_speculative_sampling_follows_exact_marginals(
     assert all(len(o) == SAMPLE_DEPTH + 1 for o in outs)
     for i in range(SAMPLE_DEPTH):
         check_marginal([o[i] for o in outs], marginals[i], f"tree {kind} token {i}")
+
+
+def test_named_draft_model_reads_the_prompt_at_prefill_and_stays_lossless(tmp_path: Path) -> None:
+    """--draft MODEL: the draft model reads the prompt eagerly, so the cost model does not see a
+    prompt-long catch-up at its first use (which would keep it from ever drafting)."""
+    from quickdraft.api import LLM
+    from quickdraft.spec.draft_model import DraftModelDrafter
+
+    target = make_tiny_hf_model(tmp_path, "llama", seed=3)
+    plain = LLM(str(target), draft="none", dtype="float32", max_context=256)
+    spec = LLM(str(target), draft=str(target), dtype="float32", max_context=256, num_draft=4)
+    assert isinstance(spec.drafter, DraftModelDrafter) and spec.drafter.eager
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompt = "def fibonacci(n): return fibonacci(n - 1)"
+    out = spec.generate([prompt], params)[0]
+    assert out.token_ids == plain.generate([prompt], params)[0].token_ids
+    assert out.stats.accepted > 0  # the model as its own draft: drafts are accepted
+    spec.drafter.prefill(torch.tensor(plain.encode(prompt)), params)
+    assert len(spec.drafter.pending) == 1  # the prompt but its last token is already in the cache

@@ -49,8 +49,11 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
 class DraftModelDrafter:
     name = "draft"
 
-    def __init__(self, model: CausalLM, target_vocab: int) -> None:
+    def __init__(self, model: CausalLM, target_vocab: int, eager: bool = False) -> None:
+        """``eager``: read the prompt at prefill (the user asked for this draft model), instead of
+        at its first use (in an auto mix, where it may never be used for the request)."""
         self.model = model
+        self.eager = eager
         self.cache = model.new_cache()
         self.target_vocab = target_vocab
         self.pending: list[int] = []
@@ -68,6 +71,9 @@ class DraftModelDrafter:
         self.cache.reset()
         self.pending = [int(t) for t in prompt_ids.tolist()]
         self._proposed = None
+        if self.eager and len(self.pending) > 1:
+            self.model(prompt_ids[:-1].to(self.model.device), self.cache, num_logits=1)
+            self.pending = self.pending[-1:]
 
     def propose(self, k: int) -> Draft:
         if k <= 0 or not self.pending:

@@ -103,7 +103,8 @@ def _base_drafters(
         draft = load_model(spec, dtype=dtype, max_context=target.model.max_len)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
         per_token = measure_pass_seconds(draft.model, rows=(1,))[1]
-        out.append((DraftModelDrafter(draft.model, target.config.vocab_size), DRAFT_PRIOR, per_token))
+        eager = cfg.draft not in ("auto", "ngram")  # asked for by name: it drafts from the first step
+        out.append((DraftModelDrafter(draft.model, target.config.vocab_size, eager=eager), DRAFT_PRIOR, per_token))
     return out
 
 
