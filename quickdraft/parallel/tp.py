@@ -121,7 +121,8 @@ def slice_cols(mod: nn.Module, a: int, b: int, keep_bias: bool) -> nn.Module:
 
 
 class RowParallel(nn.Module):
-    """A row-parallel linear: the local partial product, summed over the group."""
+    """A module whose output is a partial sum on each rank (a row-parallel linear, a split MoE
+    block): the local result, summed over the group."""
 
     def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
         super().__init__()
@@ -196,7 +197,7 @@ def shard_model(
             moe: Any = layer.mlp
             for expert in [*moe.experts, *([moe.shared_expert] if moe.shared_expert is not None else [])]:
                 _split_mlp(expert, rank, world, cfg.model_type, reduce=None)
-            layer.mlp = AllReduce(moe, group)
+            block.mlp = RowParallel(moe, group)
         else:
             _split_mlp(layer.mlp, rank, world, cfg.model_type, reduce=group if group is not None else True)
     vocab = split_points(cfg.vocab_size, world, what="vocabulary")
@@ -234,20 +235,6 @@ def _split_mlp(mlp: Any, rank: int, world: int, model_type: str, reduce: Any) ->
     mlp.up_proj = slice_rows(mlp.up_proj, i0, i1)
     local = slice_cols(down, i0, i1, keep_bias=rank == 0)
     mlp.down_proj = local if reduce is None else RowParallel(local, reduce if reduce is not True else None)
-
-
-class AllReduce(nn.Module):
-    """A block whose output is a partial sum on each rank (a split MoE): summed over the group."""
-
-    def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.inner = inner
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x).contiguous()
-        dist.all_reduce(y, group=self.group)
-        return y
 
 
 class TPKVCache(KVCache):
