@@ -16,6 +16,7 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
+from quickdraft.quant.ggml import GGMLLinear, ggml_linear_multi
 
 ROW_BLOCK = 8  # rows per matmul in the decode/verify path
 BLOCKED_MAX_ROWS = 64  # passes with more rows (long prefills) take the plain, fastest path
@@ -52,8 +53,6 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
     """``[m(x) for m in modules]``; quantized GGML layers that share ``x`` run as ONE kernel call
     (activations quantized once, one thread team), with bitwise the same results."""
-    from quickdraft.quant.ggml import GGMLLinear, ggml_linear_multi
-
     if isinstance(modules[0], GGMLLinear):
         return ggml_linear_multi(modules, x)
     return [m(x) for m in modules]
