@@ -22,23 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
 from quickdraft.models import llama
 from quickdraft.models.layers import (
     MLP,
     Attention,
-    Linear,
     RMSNorm,
     Rope,
     Step,
-    causal_mask,
     linear_group,
 )
 
@@ -108,15 +104,7 @@ class _Backbone(nn.Module):
 class CausalLM(llama.CausalLM):
     """``model(ids, cache) -> (logits, captured)``, the interface of :class:`llama.CausalLM`."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.max_len = max_len
-        self.dtype = torch.float32
-        self.device = torch.device("cpu")
-        self.model = _Backbone(cfg, max_len)  # type: ignore[assignment]
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = _Backbone
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
         super().materialize(device, dtype)
@@ -135,36 +123,3 @@ class CausalLM(llama.CausalLM):
         logits = self.lm_head(self.model.norm(x)).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        ids: torch.Tensor,
-        cache: KVCache,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        capture: Sequence[int] = (),
-        num_logits: int | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """As :meth:`llama.CausalLM.forward` (same arguments, same cache use, same captures)."""
-        t = ids.shape[0]
-        start, end = cache.reserve(t)
-        device = ids.device
-        if positions is None:
-            positions = torch.arange(start, end, device=device)
-        tree = mask is not None
-        if mask is None:
-            mask = causal_mask(start, t, device)
-        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
-        x = self.embed(ids)  # [T, H]
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            if i in capture:
-                captured.append(x)
-            x = layer(x, i, step)
-        if len(self.model.layers) in capture:
-            captured.append(x)
-        cache.advance(t)
-        if num_logits is not None:
-            x = x[-num_logits:]
-        return self.logits(x), captured

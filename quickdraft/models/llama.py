@@ -8,6 +8,7 @@ Variants (qwen2 biases, qwen3 q/k norms) are switched by :class:`ModelConfig` fi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,7 +28,13 @@ class _Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """``model(ids, cache) -> (logits, captured)`` for one sequence."""
+    """``model(ids, cache) -> (logits, captured)`` for one sequence.
+
+    Families with other layers set ``backbone`` (embeddings, rope, layers, final norm) and, where
+    they differ, override :meth:`embed` and :meth:`logits`; the forward pass stays this one.
+    """
+
+    backbone: ClassVar[type[nn.Module]]
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -35,7 +42,7 @@ class CausalLM(nn.Module):
         self.max_len = max_len
         self.dtype = torch.float32  # activation and KV cache dtype (set by materialize)
         self.device = torch.device("cpu")
-        self.model = _Backbone(cfg, max_len)
+        self.model: Any = self.backbone(cfg, max_len)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -84,7 +91,7 @@ class CausalLM(nn.Module):
         if mask is None:
             mask = causal_mask(start, t, device)
         step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
-        x = self.model.embed_tokens(ids)  # [T, H]
+        x = self.embed(ids)  # [T, H]
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             if i in capture:
@@ -95,5 +102,15 @@ class CausalLM(nn.Module):
         cache.advance(t)
         if num_logits is not None:
             x = x[-num_logits:]
-        logits = self.lm_head(self.model.norm(x)).float()  # [n, V]
-        return logits, captured
+        return self.logits(x), captured
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H]."""
+        return self.model.embed_tokens(ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head -> float32 logits [n, V]."""
+        return self.lm_head(self.model.norm(x)).float()
+
+
+CausalLM.backbone = _Backbone

@@ -103,12 +103,4 @@ class _Backbone(nn.Module):
 class CausalLM(llama.CausalLM):
     """:class:`llama.CausalLM` (same forward, cache and captures) over Phi-3 layers."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.max_len = max_len
-        self.dtype = torch.float32
-        self.device = torch.device("cpu")
-        self.model = _Backbone(cfg, max_len)  # type: ignore[assignment]
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = _Backbone
