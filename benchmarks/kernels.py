@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/kernels.py                       # qwen-1.5b, rows 1 2 4 8 16 32, 2 threads
     .venv/bin/python benchmarks/kernels.py --model qwen-0.5b --rows 1 8 --repeats 5 --no-bf16
     .venv/bin/python benchmarks/kernels.py --modes q8 --out /tmp/k.json   # one mode only
+    .venv/bin/python benchmarks/kernels.py --modes q8-multi --isas avx2,avx512vnni --no-bf16  # both builds
 
 A "model pass" is every linear layer of the real model (attn q/k/v/o, ffn gate/up/down of all
 blocks, and output.weight) applied to T rows, with the real tensors' GGML types and shapes read
-from the GGUF (matmuls only: no attention, norms or sampling). Modes:
+from the GGUF (matmuls only: no attention, norms or sampling). ``--isas`` times the q8 modes once per
+build of the q8 GEMM (AVX2, AVX-512 VNNI; default: the one this CPU runs). Modes:
 
 * ``q8``: GGMLLinear with int8 activations (the default path: integer dot products);
 * ``q8-multi``: the same, with q/k/v and gate/up each computed by one ``ggml_linear_multi`` call
@@ -192,6 +194,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9, help="rounds over all row counts")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-bf16", action="store_true", help="skip the torch bf16 F.linear baseline")
+    ap.add_argument(
+        "--isas",
+        default="auto",
+        help="comma-separated q8 GEMM builds to time (avx2, avx512vnni; default: auto = this CPU's best)",
+    )
     ap.add_argument("--out", default="benchmarks/results/kernels.json")
     args = ap.parse_args()
 
@@ -229,12 +236,17 @@ def main() -> None:
         "q8-multi": "GGMLLinear, q8 activations, q/k/v and gate/up as one ggml_linear_multi call each:",
         "f32": "GGMLLinear, f32 activations (exact; weights dequantized in registers):",
     }
+    isas = [i.strip() for i in args.isas.split(",") if i.strip()]
     for mode in args.modes:
         for m in mods:
             m.activations = "f32" if mode == "f32" else "q8"
         passes = module_passes(mods, names, args.rows, multi=mode == "q8-multi")  # type: ignore[arg-type]
-        print(titles[mode])
-        results[mode] = table(time_rounds(passes, args.repeats), wbytes, macs_per_row, llama=is_15b)
+        for isa in isas if mode != "f32" else ["auto"]:
+            kernels.set_isa(isa)
+            key = mode if len(isas) == 1 or mode == "f32" else f"{mode}@{kernels.isa()}"
+            print(titles[mode] + ("" if key == mode else f" [{kernels.isa()}]"))
+            results[key] = table(time_rounds(passes, args.repeats), wbytes, macs_per_row, llama=is_15b)
+        kernels.set_isa("auto")
         del passes
 
     if not args.no_bf16:
@@ -268,6 +280,7 @@ def main() -> None:
         "macs_per_row": macs_per_row,
         "kernels_active": kernels_active(),
         "kernels_build": kernels.build_name(),
+        "q8_isa_auto": kernels.isa(),
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,

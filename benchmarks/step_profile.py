@@ -70,7 +70,7 @@ def main() -> int:
         print(f"  {sec * 1e3:8.2f} ms  {calls:5d} calls  {name}")
     result = {
         "command": " ".join(sys.argv), "model": args.model, "rows": args.rows, "threads": threads,
-        "torch": torch.__version__, "python": platform.python_version(),
+        "torch": torch.__version__, "python": platform.python_version(), "q8_isa": _isa(),
         "step_ms": plain * 1e3, "profiled_step_ms": total * 1e3, "compiled_ms": compiled * 1e3,
         "python_ms": (total - compiled) * 1e3,
         "top": [{"ms": s * 1e3, "function": n, "calls_per_step": c} for s, n, c in rows],
@@ -78,6 +78,13 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _isa() -> str | None:
+    from quickdraft.quant.ggml import active_kernels
+
+    mod = active_kernels()
+    return None if mod is None else str(mod.isa())
 
 
 if __name__ == "__main__":

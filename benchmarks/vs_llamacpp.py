@@ -843,6 +843,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             "quickdraft": __version__,
             "torch": torch.__version__,
             "quickdraft_kernels": kernels.build_name(),
+            "quickdraft_q8_isa": kernels.isa(),
             "llama_cpp_python": lc_info["llama_cpp_python"],
             "llama_cpp_system_info": lc_info["system_info"],
         },

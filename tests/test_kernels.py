@@ -682,3 +682,79 @@ def test_extension_builds_from_package_sources():
     assert all(p.is_file() and p.parent == root for p in kernels.SOURCES + kernels.HEADERS)
     mod = kernels.load()
     assert mod is not None and mod.__name__ == kernels.build_name()
+
+
+# ------------------------------------------------------------------------------------------------
+# The two builds of the q8 GEMM (AVX2 and AVX-512 VNNI)
+# ------------------------------------------------------------------------------------------------
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_q8_isas_bitwise_equal(qtype):
+    """The AVX-512 VNNI build computes the same integer sums and float steps as the AVX2 build:
+    bitwise-equal outputs for every format, row count and tile shape (random and extreme blocks).
+    On a CPU without AVX-512 VNNI, asking for it is refused with a clear error."""
+    mod = kernels.load()
+    assert mod is not None
+    if not _cpu_has_avx512vnni():
+        with pytest.raises(RuntimeError, match="does not run AVX-512 VNNI"):
+            kernels.set_isa("avx512vnni")
+        assert kernels.isa() == "avx2"
+        return
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    n, k = 21, 2 * max(bs, 256)
+    raw = random_raw(qtype, n, k, seed=21)
+    extreme = raw.reshape(-1, ts).copy()
+    fp16 = {b for off in FP16_FIELDS[qtype] for b in (off, off + 1)}
+    extreme[:, [c for c in range(ts) if c not in fp16]] = 0x80 if qtype == Q.Q8_0 else 0xFF
+    bias = torch.randn(n)
+    g = torch.Generator().manual_seed(5)
+    prev = kernels.set_isa("auto")
+    try:
+        for w in (raw, extreme.reshape(n, -1)):
+            lin = GGMLLinear(qtype, torch.from_numpy(w), k, bias=bias)
+            for t in (1, 2, 3, 4, 5, 8, 9, 13, 33, 70):
+                x = torch.randn(t, k, generator=g) * 4
+                out = {}
+                for isa in ("avx2", "avx512vnni"):
+                    kernels.set_isa(isa)
+                    assert kernels.isa() == isa
+                    out[isa] = lin(x)
+                assert torch.equal(out["avx2"], out["avx512vnni"]), (qtype.name, t)
+        assert_close_q8(out["avx512vnni"], x, extreme.reshape(n, -1), qtype, bias)
+    finally:
+        kernels.set_isa(prev)
+
+
+def _cpu_has_avx512vnni() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"))
+
+
+@requires_kernels
+def test_isa_selection_and_env_var():
+    """auto picks the best build; bad names are refused; QUICKDRAFT_ISA=avx2 forces AVX2 and a bad
+    value says what to set."""
+    best = "avx512vnni" if _cpu_has_avx512vnni() else "avx2"
+    prev = kernels.set_isa("auto")
+    try:
+        assert kernels.isa() == best
+        with pytest.raises(RuntimeError, match="unknown instruction set 'sse2'"):
+            kernels.set_isa("sse2")
+        assert kernels.set_isa("avx2") == best and kernels.isa() == "avx2"
+    finally:
+        kernels.set_isa(prev)
+    code = "from quickdraft import kernels\nprint(kernels.isa())\n"
+    for value, expected in (("avx2", "avx2"), ("AUTO", best), ("", best)):
+        env = {**os.environ, "QUICKDRAFT_ISA": value}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
+    env = {**os.environ, "QUICKDRAFT_ISA": "avx9000"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0 and "QUICKDRAFT_ISA='avx9000'" in out.stderr

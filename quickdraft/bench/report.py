@@ -21,7 +21,10 @@ SCHEMA = "quickdraft.bench/1"
 
 def environment() -> dict[str, Any]:
     """Versions and hardware, so a result can be compared with another machine's."""
+    from quickdraft.quant.ggml import active_kernels
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    kernels = active_kernels()
     return {
         "versions": {
             "quickdraft": __version__,
@@ -36,6 +39,8 @@ def environment() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(),
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
             "gpu": gpu,
+            # the native CPU kernels' q8 GEMM build (avx2 / avx512vnni); None: torch reference path
+            "cpu_kernels_isa": kernels.isa() if kernels is not None else None,
         },
     }
 

@@ -5,6 +5,10 @@ extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions`
 the module, or ``None`` (with one warning) where it cannot: not x86-64, a CPU without
 AVX2/FMA/F16C, no compiler or ninja, or any build error. Callers then use the pure-PyTorch
 reference path (``quickdraft.quant``), so the package installs and runs everywhere.
+
+The q8 GEMM is built twice, for AVX2 and for AVX-512 VNNI (``ggml_q8_avx512.cpp``); the module
+runs the best build this CPU supports (``isa()``), with bitwise-equal results.
+``QUICKDRAFT_ISA=avx2`` (or ``set_isa``) forces the AVX2 build.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "ggml_cpu.cpp"]
+SOURCES = [_DIR / "ggml_cpu.cpp", _DIR / "ggml_q8_avx512.cpp", _DIR / "ops_cpu.cpp"]
 HEADERS = [_DIR / "ggml_cpu.h", _DIR / "ggml_q8.h"]
 # AVX2/FMA/F16C only (no -march=native): the build must run on any x86-64 machine with those.
 # -ffp-contract=off: no silent a*b+c fusing; every fused multiply-add in the kernels is explicit.
@@ -113,11 +117,19 @@ def load() -> ModuleType | None:
             return _module
         reason = _cpu_unsupported()
         if reason is None:
+            requested = _env_isa()  # a bad value stops here, saying what to set
             try:
                 _module = _build()
             except Exception as exc:  # compiler, ninja, headers, linker: any failure means fallback
                 lines = str(exc).strip().splitlines()
                 reason = f"{type(exc).__name__}: {lines[-1] if lines else exc!r}"
+            if _module is not None and requested is not None:
+                try:
+                    _module.set_isa(requested)
+                except RuntimeError as exc:  # e.g. avx512vnni asked for on a CPU without it
+                    warnings.warn(
+                        f"QUICKDRAFT_ISA ignored: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=2
+                    )
         if reason is not None:
             _error = reason
             warnings.warn(
@@ -127,6 +139,35 @@ def load() -> ModuleType | None:
             )
         _tried = True
         return _module
+
+
+def _env_isa() -> str | None:
+    """The q8 GEMM build QUICKDRAFT_ISA asks for (None: unset = the best this CPU runs)."""
+    value = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("avx2", "avx512vnni"):
+        return value
+    from quickdraft.errors import QuickdraftError
+
+    raise QuickdraftError(
+        f"QUICKDRAFT_ISA={value!r} is not an instruction set of the kernels; set it to auto (the "
+        "default: the best this CPU runs), avx2 or avx512vnni"
+    )
+
+
+def set_isa(name: str) -> str:
+    """Select the q8 GEMM build ('auto', 'avx2', 'avx512vnni'); returns the previous one."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"quickdraft CPU kernels unavailable: {_error}")
+    return str(module.set_isa(name))
+
+
+def isa() -> str | None:
+    """The instruction set of the q8 GEMM in use ('avx2' or 'avx512vnni'); None without kernels."""
+    module = load()
+    return None if module is None else str(module.isa())
 
 
 def load_error() -> str | None:

@@ -46,6 +46,9 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
+#include <string>
+
 #include "ggml_cpu.h"
 #include "ggml_q8.h"
 
@@ -121,6 +124,39 @@ torch::Tensor dequantize(int64_t qtype, const torch::Tensor& raw, int64_t K, int
 
 // ---- q8 activations -----------------------------------------------------------------------------
 
+// Which build of the q8 GEMM runs: the AVX2 one (ggml_q8.h here) or the AVX-512 VNNI one
+// (ggml_q8_avx512.cpp), chosen once from the CPU; set_isa() switches (tests, QUICKDRAFT_ISA).
+// Both give bitwise-equal results.
+enum Isa : int { ISA_AVX2 = 0, ISA_AVX512VNNI = 1 };
+const char* const ISA_NAMES[] = {"avx2", "avx512vnni"};
+
+bool cpu_has_avx512vnni() {
+  __builtin_cpu_init();  // the checks below include the OS's saving of the AVX-512 state
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+std::atomic<int> g_isa{cpu_has_avx512vnni() ? ISA_AVX512VNNI : ISA_AVX2};
+
+std::string isa() { return ISA_NAMES[g_isa.load()]; }
+
+// Selects the build ("avx2", "avx512vnni" or "auto" = the best this CPU runs); returns the previous.
+std::string set_isa(const std::string& name) {
+  const std::string prev = isa();
+  if (name == "auto") {
+    g_isa = cpu_has_avx512vnni() ? ISA_AVX512VNNI : ISA_AVX2;
+  } else if (name == "avx2") {
+    g_isa = ISA_AVX2;
+  } else if (name == "avx512vnni") {
+    TORCH_CHECK(cpu_has_avx512vnni(), "this CPU does not run AVX-512 VNNI; use 'avx2' or 'auto'");
+    g_isa = ISA_AVX512VNNI;
+  } else {
+    TORCH_CHECK(false, "unknown instruction set '", name, "': use 'auto', 'avx2' or 'avx512vnni'");
+  }
+  return prev;
+}
+
 using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
 
 // y_i = x @ dequant(W_i).T (+ b_i) for several weights sharing x, with x quantized to int8 once per
@@ -154,7 +190,10 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
   const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
   const float* xp = x.data_ptr<float>();
   pybind11::gil_scoped_release nogil;
-  q8::gemm_multi(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt);
+  if (g_isa.load(std::memory_order_relaxed) == ISA_AVX512VNNI)
+    qd_abi::gemm_multi_avx512vnni(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt);
+  else
+    q8::gemm_multi(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt);
   return ys;
 }
 
@@ -200,6 +239,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
 
 }  // namespace
 
+void register_ops(pybind11::module& m);  // ops_cpu.cpp: fused RMSNorm and RoPE
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The fused and scratch paths must feed each accumulator in the same order (batch invariance).
   TORCH_CHECK(order_matches<Q4_0>() && order_matches<Q4_1>() && order_matches<Q5_0>() && order_matches<Q8_0>() &&
@@ -221,4 +262,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations,
         "(q int8 [T, K], d float32 [T, K/bs], sums): x quantized per block of bs = 256 or 32",
         pybind11::arg("x"), pybind11::arg("block_size"));
+  register_ops(m);
+  m.def("isa", &isa, "the instruction set of the q8 GEMM in use: 'avx2' or 'avx512vnni'");
+  m.def("set_isa", &set_isa, "select the q8 GEMM build ('auto', 'avx2', 'avx512vnni'); returns the previous",
+        pybind11::arg("name"));
 }

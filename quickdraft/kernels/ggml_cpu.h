@@ -14,7 +14,13 @@
 #define QD_INLINE inline __attribute__((always_inline))
 #define QD_UNROLL _Pragma("GCC unroll 16")
 
-namespace qd {
+// The namespace of everything below. ggml_q8_avx512.cpp compiles the q8 GEMM a second time for
+// AVX-512 VNNI under another name, so no inline function of one build can stand in for the other's.
+#ifndef QD_NS
+#define QD_NS qd
+#endif
+
+namespace QD_NS {
 
 constexpr int64_t CHUNK = 256;  // K elements per panel step (one K-quant super-block, eight 32-blocks)
 constexpr int NP = 8;           // output rows per panel (a thread computes whole panels)
@@ -527,4 +533,4 @@ void dequant_rows(const uint8_t* W, int64_t N, int64_t K, float* y, int nthreads
   }
 }
 
-}  // namespace qd
+}  // namespace QD_NS

@@ -5,7 +5,31 @@
 
 #include "ggml_cpu.h"
 
-namespace qd {
+#ifndef QD_Q8_JOB
+#define QD_Q8_JOB
+namespace qd_abi {
+// One weight matrix of a call: y[T, N] = x @ W.T (+ bias). Shared by the AVX2 and AVX-512 builds.
+struct Job {
+  int64_t qtype;
+  const uint8_t* W;
+  const float* bias;
+  float* y;
+  int64_t N, K, row_bytes, pf_step, npanels;
+  int mode;  // XMode of the activations it reads
+};
+// The q8 GEMM of the AVX-512 VNNI build (ggml_q8_avx512.cpp).
+void gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads);
+}  // namespace qd_abi
+#endif
+
+// QD_VNNI (set by ggml_q8_avx512.cpp): AVX-512 VNNI dot products and 32 vector registers.
+#ifdef QD_VNNI
+#define QD_ACC_REG "+v"
+#else
+#define QD_ACC_REG "+x"
+#endif
+
+namespace QD_NS {
 namespace q8 {
 
 // ---------------------------------------------------------------------------------------------
@@ -119,6 +143,7 @@ struct Q4_0 {  // w = d*(q-8): signed bytes q-8
   static constexpr int64_t BS = 32, TS = 18;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = true;
+  static constexpr bool UNIT = true;  // sc is always 1
   struct Pre {
     float d;
   };
@@ -140,6 +165,7 @@ struct Q4_1 {  // w = d*q + m, q 0..15: sum x w = dx*(d*sum(q*qx) + m*sum(qx))
   static constexpr int64_t BS = 32, TS = 20;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = false;
+  static constexpr bool UNIT = true;  // sc is always 1
   struct Pre {
     float d, m;
   };
@@ -168,6 +194,7 @@ struct Q5_0 {  // w = d*(q-16), q 5 bits: signed bytes q-16
   static constexpr int64_t BS = 32, TS = 22;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = true;
+  static constexpr bool UNIT = true;  // sc is always 1
   using Pre = Q4_0::Pre;
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
   template <class P>
@@ -194,6 +221,7 @@ struct Q8_0 {  // w = d*q, q int8
   static constexpr int64_t BS = 32, TS = 34;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = true;
+  static constexpr bool UNIT = true;  // sc is always 1
   using Pre = Q4_0::Pre;
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
   template <class P>
@@ -211,6 +239,7 @@ struct Q4_K {
   static constexpr int64_t BS = 256, TS = 144;
   static constexpr int NSEG = 4, MODE = KQ;
   static constexpr bool SIGNED = false;
+  static constexpr bool UNIT = false;  // per-group scales sc
   struct Pre {
     alignas(32) int16_t mins[16];  // m0 m0 m1 m1 ... m7 m7 (pairs with the 16 bsums)
     alignas(16) int16_t sc[8];
@@ -253,6 +282,7 @@ struct Q6_K {
   static constexpr int64_t BS = 256, TS = 210;
   static constexpr int NSEG = 4, MODE = KQ;
   static constexpr bool SIGNED = false;
+  static constexpr bool UNIT = false;  // per-group scales sc
   struct Pre {
     alignas(32) int16_t sc[16];      // scale_0 .. scale_15
     alignas(32) int16_t scv[8][16];  // vector v: scale_2v x 8 | scale_2v+1 x 8 (the 16 pair sums)
@@ -313,7 +343,11 @@ constexpr int TB = 64;     // input rows per accumulator block
 // Weight rows per tile of TT input rows: TT * NN int32 accumulators stay in registers.
 template <class F>
 constexpr int nn_for(int tt) {
+#ifdef QD_VNNI  // 32 registers
+  return tt == 1 ? 8 : tt <= 4 ? 4 : 2;
+#else
   return tt == 1 ? 4 : tt <= 4 ? 2 : 1;
+#endif
 }
 
 // acc[i][j] (8 floats at acc + (i*NP + j)*8) += rows i of x (chunks x[i]) . weight rows j (blocks
@@ -343,10 +377,19 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
           for (int i = 0; i < TT; ++i) {
             __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].q + xo + 32 * v));
             if (F::SIGNED) xv = _mm256_sign_epi8(xv, w);
+#ifdef QD_VNNI
+            // the same exact integer sums in fewer instructions: dpbusd = maddubs + madd(1) + add
+            // (no int16 step at all), dpwssd = madd + add
+            if constexpr (F::UNIT)
+              ia[i][j] = _mm256_dpbusd_epi32(ia[i][j], wu, xv);
+            else
+              ia[i][j] = _mm256_dpwssd_epi32(ia[i][j], _mm256_maddubs_epi16(wu, xv), sc);
+#else
             ia[i][j] = _mm256_add_epi32(ia[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), sc));
+#endif
             // keeps GCC from reassociating the (exact, so reorderable) integer sums into trees
             // of products computed far ahead and spilled to the stack
-            __asm__("" : "+x"(ia[i][j]));
+            __asm__("" : QD_ACC_REG(ia[i][j]));
           }
         });
       }
@@ -388,15 +431,7 @@ void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* a
   }
 }
 
-// One weight matrix of a call: y[T, N] = x @ W.T (+ bias).
-struct Job {
-  int64_t qtype;
-  const uint8_t* W;
-  const float* bias;
-  float* y;
-  int64_t N, K, row_bytes, pf_step, npanels;
-  int mode;  // XMode of the activations it reads
-};
+using Job = qd_abi::Job;
 
 // Panel p (output rows 8p .. 8p+7) of job g for all T rows; xq: the activations quantized for the
 // job's mode, chunk-major ([K/256][T] chunks). Prefetches panel p + 1 if pf.
@@ -539,4 +574,4 @@ inline void quantize_rows(const float* x, int64_t T, int64_t K, int mode, XChunk
 }
 
 }  // namespace q8
-}  // namespace qd
+}  // namespace QD_NS

@@ -16,7 +16,7 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.quant.ggml import GGMLLinear, ggml_linear_multi
+from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_multi
 
 ROW_BLOCK = 8  # rows per matmul in the decode/verify path
 BLOCKED_MAX_ROWS = 64  # passes with more rows (long prefills) take the plain, fastest path
@@ -58,6 +58,15 @@ def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     return [m(x) for m in modules]
 
 
+def _fused_ops(x: torch.Tensor, param: torch.Tensor):  # noqa: ANN202 (the compiled module)
+    """The native kernels' fused ops (``rms_norm``, ``rope``) when they apply to ``x``: fp32 CPU
+    tensors outside autograd (inference passes; training takes the differentiable torch path),
+    the kernels built and not disabled. Else None: the torch formulas below."""
+    if x.dtype is not torch.float32 or param.dtype is not torch.float32 or not x.is_cpu or torch.is_grad_enabled():
+        return None
+    return active_kernels()
+
+
 class QuantEmbedding(nn.Module):
     """Token embedding read from a block-quantized matrix (dequantizes only the rows looked up)."""
 
@@ -76,6 +85,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _fused_ops(x, self.weight)
+        if ops is not None:  # one call instead of six (decode-step overhead)
+            return ops.rms_norm(x.contiguous(), self.weight, self.eps)
         # Computed in fp32 and cast back, as Hugging Face does, so bf16 runs stay close to fp32.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -134,6 +146,9 @@ class Rope(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [heads, T, D]; positions [T]
+        ops = _fused_ops(x, self.cos)
+        if ops is not None and x.stride(-1) == 1:  # one call instead of eight per tensor
+            return ops.rope(x, self.cos, self.sin, positions)
         cos = self.cos[positions].to(x.dtype)  # [T, D]
         sin = self.sin[positions].to(x.dtype)
         half = x.shape[-1] // 2
@@ -216,7 +231,8 @@ class Attention(nn.Module):
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
             out = self._attend(q, keys, values, mask)  # [Hq, T, D]
         else:
-            out = torch.cat([self._attend_row(q, keys, values, step, i) for i in range(t)], dim=1)
+            rows = [self._attend_row(q, keys, values, step, i) for i in range(t)]
+            out = rows[0] if t == 1 else torch.cat(rows, dim=1)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -305,6 +305,11 @@ def _active_kernels() -> ModuleType | None:
     return _kernels.load()  # two global reads once the first call has built or failed
 
 
+def active_kernels() -> ModuleType | None:
+    """The native kernel module when it is built and not disabled (reference mode), else None."""
+    return _active_kernels()
+
+
 def kernels_active() -> bool:
     """True if GGMLLinear on CPU tensors would run the native kernels right now."""
     return _active_kernels() is not None
