@@ -5,13 +5,20 @@
 // replace them with one call each, computing the same formulas in fp32:
 //   rms_norm: y = w * (x * (1 / sqrt(mean(x^2) + eps)))   (mean: fixed 8-lane order, one row alone)
 //   rope:     y[d] = x[d] * cos[p, d] + rot[d] * sin[p, d],  rot = [-x[D/2:], x[:D/2]]
+//   attend:   softmax(q . k_j * scale) . v_j over the cache slots each query row may see (decode
+//             and verification rows: a chain's causal prefix, a sliding window, or a tree row's
+//             listed slots), written straight into [T, heads * D] for the output projection.
 // Every row is computed on its own with one fixed sequence of float operations, so a row's result
-// does not depend on the other rows of the call (batch invariance, as in the GEMMs).
+// does not depend on the other rows of the call (batch invariance, as in the GEMMs). For attention
+// this also means a tree row, which sees prefix + ancestors + itself, gets bitwise the result plain
+// decoding gets for that token once the accepted path sits in consecutive slots.
 
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -87,6 +94,180 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return y;
 }
 
+// e^x for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes expf's
+// coefficients, ~1 ulp), times 2^n built in the exponent bits. Inputs here are <= 0 (x - max);
+// below -87 the result flushes to 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2 in two steps (ln2 = C1 + C2, C1 exact in few bits)
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// q [Hq, T, D] (unit last stride), k/v [Hkv, >= end, D] (unit last stride; views of the cache),
+// chain rows: row i sees slots lo_i .. start + i (lo_i = 0, or the last `window` slots);
+// tree rows (slots defined): row i sees slots[offsets[i] .. offsets[i+1]) in that order.
+// Returns [T, Hq * D].
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                     int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
+                     const c10::optional<torch::Tensor>& offsets) {
+  auto f32_3d = [](const torch::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1;
+  };
+  TORCH_CHECK(f32_3d(q) && f32_3d(k) && f32_3d(v), "q, k, v must be CPU float32 [heads, n, D] with unit last stride");
+  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0);
+  TORCH_CHECK(D % 8 == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && Hkv > 0 && Hq % Hkv == 0,
+              "head dims must match (D a multiple of 8) and query heads be a multiple of kv heads");
+  const int64_t S = std::min(k.size(1), v.size(1));
+  const bool tree = slots.has_value() && slots->defined();
+  const int64_t* sp = nullptr;
+  const int64_t* op = nullptr;
+  torch::Tensor sl, of;
+  if (tree) {
+    TORCH_CHECK(offsets.has_value() && offsets->defined(), "tree rows need offsets");
+    sl = slots->contiguous();
+    of = offsets->contiguous();
+    TORCH_CHECK(sl.scalar_type() == torch::kInt64 && of.scalar_type() == torch::kInt64 && of.numel() == T + 1,
+                "slots / offsets must be int64, offsets [T + 1]");
+    sp = sl.data_ptr<int64_t>();
+    op = of.data_ptr<int64_t>();
+    for (int64_t i = 0; i < sl.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "slot ", sp[i], " out of range");
+    for (int64_t i = 0; i < T; ++i) TORCH_CHECK(op[i] <= op[i + 1] && op[i + 1] <= sl.numel(), "bad offsets");
+  } else {
+    TORCH_CHECK(start >= 0 && start + T <= S, "rows reach past the keys");
+  }
+  auto out = torch::empty({T, Hq * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), group = Hq / Hkv, nv = D / 8;
+  const float sc = static_cast<float>(scale);
+  const int64_t work = T * Hq;
+  // threads only when there is enough work to pay for waking them
+  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, work * S / 4096)));
+  pybind11::gil_scoped_release nogil;
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> p;
+    std::vector<int64_t> idx;
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < work; ++w) {
+      const int64_t i = w / Hq, h = w % Hq, kh = h / group;
+      // the slots row i sees, in slot order
+      idx.clear();
+      if (tree) {
+        idx.assign(sp + op[i], sp + op[i + 1]);
+      } else {
+        const int64_t end = start + i + 1;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+        for (int64_t j = lo; j < end; ++j) idx.push_back(j);
+      }
+      const int64_t n = static_cast<int64_t>(idx.size());
+      float* y = yp + i * Hq * D + h * D;
+      if (n == 0) {
+        std::fill(y, y + D, 0.0f);
+        continue;
+      }
+      p.resize(n + 8);
+      const float* qr = qp + h * qs0 + i * qs1;
+      const float* kb = kp + kh * ks0;
+      // scores, 4 keys at a time (independent FMA chains); each key's own chain over D is the
+      // same whatever group it falls in
+      int64_t j0 = 0;
+      for (; j0 + 4 <= n; j0 += 4) {
+        const float* k0 = kb + idx[j0] * ks1;
+        const float* k1 = kb + idx[j0 + 1] * ks1;
+        const float* k2 = kb + idx[j0 + 2] * ks1;
+        const float* k3 = kb + idx[j0 + 3] * ks1;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < nv; ++c) {
+          const __m256 qv = _mm256_loadu_ps(qr + 8 * c);
+          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * c), a0);
+          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + 8 * c), a1);
+          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + 8 * c), a2);
+          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + 8 * c), a3);
+        }
+        p[j0] = hsum8(a0) * sc;
+        p[j0 + 1] = hsum8(a1) * sc;
+        p[j0 + 2] = hsum8(a2) * sc;
+        p[j0 + 3] = hsum8(a3) * sc;
+      }
+      for (; j0 < n; ++j0) {
+        const float* kr = kb + idx[j0] * ks1;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nv; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+        p[j0] = hsum8(acc) * sc;
+      }
+      float m = -INFINITY;
+      for (int64_t jj = 0; jj < n; ++jj) m = std::max(m, p[jj]);
+      // p_j = exp(s_j - m), summed in a fixed order (8 lanes, then the lanes, then the tail)
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 sum8 = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), mv));
+        _mm256_storeu_ps(p.data() + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+      }
+      float sum = hsum8(sum8);
+      if (j < n) {
+        alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t r = j; r < n; ++r) tail[r - j] = p[r] - m;
+        _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+        for (int64_t r = j; r < n; ++r) {
+          p[r] = tail[r - j];
+          sum += p[r];
+        }
+      }
+      const float inv = 1.0f / sum;
+      const float* vb = vp + kh * vs0;
+      // out[c] = sum_j p_j v_j[c], j in slot order, 8 lane groups of D at a time in registers
+      for (int64_t c0 = 0; c0 < nv; c0 += 8) {
+        const int64_t nc = std::min<int64_t>(8, nv - c0);
+        __m256 acc[8];
+        for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+        if (nc == 8) {
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const __m256 pj = _mm256_set1_ps(p[jj]);
+            const float* vr = vb + idx[jj] * vs1 + 8 * c0;
+            for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+          }
+        } else {
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const __m256 pj = _mm256_set1_ps(p[jj]);
+            const float* vr = vb + idx[jj] * vs1 + 8 * c0;
+            for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+          }
+        }
+        for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(y + 8 * (c0 + c), _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_ops(pybind11::module& m) {
@@ -94,4 +275,8 @@ void register_ops(pybind11::module& m) {
         pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("rope", &rope, "rotate-half RoPE of x [heads, T, D] at positions, from cos/sin tables [S, D]",
         pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"));
+  m.def("attend", &attend,
+        "softmax attention of query rows q [Hq, T, D] over the cache slots each may see -> [T, Hq * D]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("window"),
+        pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(), pybind11::arg("offsets") = pybind11::none());
 }

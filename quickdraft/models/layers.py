@@ -169,10 +169,24 @@ class Step:
     _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
         default_factory=dict, repr=False
     )
+    _flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
             self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
+
+    def flat_slots(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Tree rows' visible slots as one flat tensor and row offsets [T + 1] (the native
+        attention's input), for a window size or None; (None, None) for chains. Once per pass."""
+        if self.row_slots is None:
+            return None, None
+        key = -1 if window is None else window
+        if key not in self._flat:
+            rows = self.row_slots if window is None else self.windowed(window)[1]
+            assert rows is not None
+            lens = torch.tensor([0] + [int(r.numel()) for r in rows])
+            self._flat[key] = (torch.cat(rows).to(torch.int64), lens.cumsum(0))
+        return self._flat[key]
 
     def windowed(self, size: int) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """``(mask, row_slots)`` for sliding-window layers: each row additionally drops every slot
@@ -230,6 +244,10 @@ class Attention(nn.Module):
         if t > BLOCKED_MAX_ROWS:
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
             out = self._attend(q, keys, values, mask)  # [Hq, T, D]
+        elif (ops := _fused_ops(q, keys)) is not None:  # decode / verify rows in one native call
+            slots, offsets = step.flat_slots(self.window)
+            attended = ops.attend(q, keys, values, step.start, self.window or 0, self.scale, slots, offsets)
+            return self.o_proj(attended)  # [T, Hq * D]
         else:
             rows = [self._attend_row(q, keys, values, step, i) for i in range(t)]
             out = rows[0] if t == 1 else torch.cat(rows, dim=1)

@@ -1,0 +1,124 @@
+"""The native fused ops of a decode / verify step (quickdraft/kernels/ops_cpu.cpp): RMSNorm, RoPE
+and attention over the cache, against the torch formulas they replace, and batch invariant."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quickdraft import kernels
+from quickdraft.config import ModelConfig
+from quickdraft.models.layers import RMSNorm, Rope, Step, causal_mask
+
+requires_kernels = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable")
+
+
+def _ops():
+    mod = kernels.load()
+    assert mod is not None
+    return mod
+
+
+@requires_kernels
+def test_rms_norm_matches_torch_and_is_row_invariant():
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x = torch.randn(7, 96) * 3
+    with torch.inference_mode():
+        fast = norm(x)  # the native op (inference, fp32, CPU)
+    with torch.no_grad(), torch.enable_grad():
+        slow = norm(x)  # autograd on: the torch formula
+    assert slow.requires_grad and not fast.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), rtol=2e-6, atol=1e-6)
+    with torch.inference_mode():
+        assert all(torch.equal(norm(x[i : i + 1]), fast[i : i + 1]) for i in range(7))
+        assert torch.equal(_ops().rms_norm(torch.zeros(2, 96), norm.weight, 1e-6), torch.zeros(2, 96))
+
+
+@requires_kernels
+def test_rope_matches_torch_bitwise():
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+    )
+    rope = Rope(cfg, 64)
+    x = torch.randn(5, 4, 16).transpose(0, 1)  # [heads, T, D], strided like the projections' views
+    pos = torch.tensor([3, 9, 10, 11, 40])
+    fast = _ops().rope(x, rope.cos, rope.sin, pos)
+    half = 8
+    ref = x * rope.cos[pos] + torch.cat([-x[..., half:], x[..., :half]], -1) * rope.sin[pos]
+    assert torch.equal(fast, ref)
+    with pytest.raises(RuntimeError, match="outside the rope table"):
+        _ops().rope(x, rope.cos, rope.sin, torch.tensor([0, 1, 2, 3, 64]))
+
+
+def _sdpa(q, k, v, scale):
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=True)[0]
+
+
+@requires_kernels
+@pytest.mark.parametrize("d", [64, 128, 72])
+def test_attend_chain_window_and_tree(d):
+    """Each query row over its slots agrees with SDPA; a row's result is bitwise the same alone or
+    with other rows; a tree row equals the chain row that sees the same keys in the same order."""
+    g = torch.Generator().manual_seed(d)
+    hq, hkv, start, t = 6, 2, 37, 5
+    k = torch.randn(hkv, 64, d, generator=g)
+    v = torch.randn(hkv, 64, d, generator=g)
+    q = torch.randn(hq, t, d, generator=g)
+    scale = 1 / math.sqrt(d)
+    ops = _ops()
+    out = ops.attend(q, k[:, : start + t], v[:, : start + t], start, 0, scale, None, None)
+    assert out.shape == (t, hq * d)
+    for i in range(t):
+        end = start + i + 1
+        ref = _sdpa(q[:, i : i + 1], k[:, :end], v[:, :end], scale)[:, 0]
+        torch.testing.assert_close(out[i].view(hq, d), ref, rtol=1e-5, atol=1e-6)
+        alone = ops.attend(q[:, i : i + 1], k[:, :end], v[:, :end], end - 1, 0, scale, None, None)
+        assert torch.equal(alone[0], out[i])
+    win = ops.attend(q, k[:, : start + t], v[:, : start + t], start, 8, scale, None, None)
+    for i in range(t):
+        end = start + i + 1
+        ref = _sdpa(q[:, i : i + 1], k[:, end - 8 : end], v[:, end - 8 : end], scale)[:, 0]
+        torch.testing.assert_close(win[i].view(hq, d), ref, rtol=1e-5, atol=1e-6)
+    # tree: rows see the prefix and some of the pass's slots, listed in slot order
+    rows = [torch.arange(start + 1), torch.cat([torch.arange(start), torch.tensor([start + 2])]),
+            torch.cat([torch.arange(start), torch.tensor([start, start + 3])])]
+    flat = torch.cat(rows)
+    offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
+    tree = ops.attend(q[:, :3], k[:, : start + 4], v[:, : start + 4], start, 0, scale, flat, offsets)
+    for i, r in enumerate(rows):
+        ref = _sdpa(q[:, i : i + 1], k[:, r], v[:, r], scale)[:, 0]
+        torch.testing.assert_close(tree[i].view(hq, d), ref, rtol=1e-5, atol=1e-6)
+    # the same keys in consecutive slots (after compaction): bitwise the chain result
+    kc, vc = k[:, rows[2]].contiguous(), v[:, rows[2]].contiguous()
+    chain = ops.attend(q[:, 2:3], kc, vc, len(rows[2]) - 1, 0, scale, None, None)
+    assert torch.equal(chain[0], tree[2])
+
+
+@requires_kernels
+def test_attend_rejects_bad_input():
+    ops = _ops()
+    q, k = torch.randn(4, 2, 16), torch.randn(2, 10, 16)
+    with pytest.raises(RuntimeError, match="rows reach past the keys"):
+        ops.attend(q, k, k, 9, 0, 0.25, None, None)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        ops.attend(torch.randn(3, 2, 16), k, k, 0, 0, 0.25, None, None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.attend(q, k, k, 0, 0, 0.25, torch.tensor([0, 11]), torch.tensor([0, 1, 2]))
+
+
+@requires_kernels
+def test_step_flat_slots_follow_the_tree_mask():
+    mask = causal_mask(4, 3, torch.device("cpu"))
+    assert mask is not None
+    mask[2, 5] = False  # row 2 does not see row 1 (a sibling)
+    step = Step(positions=torch.tensor([4, 5, 5]), start=4, mask=mask, cache=None, tree=True)  # type: ignore[arg-type]
+    flat, offsets = step.flat_slots(None)
+    assert offsets.tolist() == [0, 5, 11, 17]
+    assert flat[11:].tolist() == [0, 1, 2, 3, 4, 6]
+    assert Step(positions=torch.arange(3), start=0, mask=None, cache=None).flat_slots(None) == (None, None)  # type: ignore[arg-type]
