@@ -166,7 +166,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const float sc = static_cast<float>(scale);
   const int64_t work = T * Hq;
   // threads only when there is enough work to pay for waking them
-  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, work * S / 4096)));
+  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, work * S / 1024)));
   pybind11::gil_scoped_release nogil;
 #pragma omp parallel num_threads(nt)
   {
@@ -193,26 +193,21 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
       p.resize(n + 8);
       const float* qr = qp + h * qs0 + i * qs1;
       const float* kb = kp + kh * ks0;
-      // scores, 4 keys at a time (independent FMA chains); each key's own chain over D is the
+      // scores, 8 keys at a time (independent FMA chains); each key's own chain over D is the
       // same whatever group it falls in
       int64_t j0 = 0;
-      for (; j0 + 4 <= n; j0 += 4) {
-        const float* k0 = kb + idx[j0] * ks1;
-        const float* k1 = kb + idx[j0 + 1] * ks1;
-        const float* k2 = kb + idx[j0 + 2] * ks1;
-        const float* k3 = kb + idx[j0 + 3] * ks1;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (; j0 + 8 <= n; j0 += 8) {
+        const float* kr[8];
+        __m256 a[8];
+        for (int u = 0; u < 8; ++u) {
+          kr[u] = kb + idx[j0 + u] * ks1;
+          a[u] = _mm256_setzero_ps();
+        }
         for (int64_t c = 0; c < nv; ++c) {
           const __m256 qv = _mm256_loadu_ps(qr + 8 * c);
-          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * c), a0);
-          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + 8 * c), a1);
-          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + 8 * c), a2);
-          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + 8 * c), a3);
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + 8 * c), a[u]);
         }
-        p[j0] = hsum8(a0) * sc;
-        p[j0 + 1] = hsum8(a1) * sc;
-        p[j0 + 2] = hsum8(a2) * sc;
-        p[j0 + 3] = hsum8(a3) * sc;
+        for (int u = 0; u < 8; ++u) p[j0 + u] = hsum8(a[u]) * sc;
       }
       for (; j0 < n; ++j0) {
         const float* kr = kb + idx[j0] * ks1;
