@@ -33,6 +33,9 @@ class KVCache:
         shape = (num_layers, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D]
+        # per-layer views [Hkv, S, D], made once (indexing self.k[layer] costs a torch op per use)
+        self.k_layers = self.k.unbind(0)
+        self.v_layers = self.v.unbind(0)
         self.max_len = max_len
         self.length = 0
 

@@ -122,3 +122,25 @@ def test_step_flat_slots_follow_the_tree_mask():
     assert offsets.tolist() == [0, 5, 11, 17]
     assert flat[11:].tolist() == [0, 1, 2, 3, 4, 6]
     assert Step(positions=torch.arange(3), start=0, mask=None, cache=None).flat_slots(None) == (None, None)  # type: ignore[arg-type]
+
+
+@requires_kernels
+def test_attend_writes_the_new_keys_first():
+    """With k_new / v_new the op stores them at start .. start + T - 1 (strided inputs) and then
+    attends exactly as over a cache written beforehand."""
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, start, t = 4, 2, 32, 10, 3
+    k = torch.randn(hkv, 20, d, generator=g)
+    v = torch.randn(hkv, 20, d, generator=g)
+    kn = torch.randn(t, hkv, d, generator=g).transpose(0, 1)  # [Hkv, T, D] views, like the projections'
+    vn = torch.randn(t, hkv, d, generator=g).transpose(0, 1)
+    q = torch.randn(hq, t, d, generator=g)
+    ops = _ops()
+    k2, v2 = k.clone(), v.clone()
+    out = ops.attend(q, k2, v2, start, 0, 0.2, None, None, kn, vn)
+    assert torch.equal(k2[:, start : start + t], kn) and torch.equal(v2[:, start : start + t], vn)
+    assert torch.equal(k2[:, start + t :], k[:, start + t :])  # nothing else touched
+    ref = ops.attend(q, k2[:, : start + t], v2[:, : start + t], start, 0, 0.2, None, None)
+    assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="reach past the cache"):
+        ops.attend(q, k2, v2, 18, 0, 0.2, None, None, kn, vn)

@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -128,9 +129,12 @@ inline float hsum8(__m256 v) {
 // chain rows: row i sees slots lo_i .. start + i (lo_i = 0, or the last `window` slots);
 // tree rows (slots defined): row i sees slots[offsets[i] .. offsets[i+1]) in that order.
 // Returns [T, Hq * D].
+// k_new / v_new [Hkv, T, D] (optional): this pass's keys and values, first written into slots
+// start .. start + T - 1 of k / v (then the cache of one layer); the rows see slots below start + T.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
                      int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
-                     const c10::optional<torch::Tensor>& offsets) {
+                     const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
+                     const c10::optional<torch::Tensor>& v_new) {
   auto f32_3d = [](const torch::Tensor& t) {
     return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1;
   };
@@ -138,7 +142,25 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0);
   TORCH_CHECK(D % 8 == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && Hkv > 0 && Hq % Hkv == 0,
               "head dims must match (D a multiple of 8) and query heads be a multiple of kv heads");
-  const int64_t S = std::min(k.size(1), v.size(1));
+  int64_t S = std::min(k.size(1), v.size(1));
+  const bool write = k_new.has_value() && k_new->defined();
+  if (write) {
+    TORCH_CHECK(v_new.has_value() && v_new->defined(), "k_new needs v_new");
+    const torch::Tensor& kn = *k_new;
+    const torch::Tensor& vn = *v_new;
+    TORCH_CHECK(f32_3d(kn) && f32_3d(vn) && kn.size(0) == Hkv && vn.size(0) == Hkv && kn.size(1) == T &&
+                    vn.size(1) == T && kn.size(2) == D && vn.size(2) == D,
+                "k_new / v_new must be CPU float32 [kv heads, T, D] with unit last stride");
+    TORCH_CHECK(start >= 0 && start + T <= S, "the new keys reach past the cache");
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(k.data_ptr<float>() + h * k.stride(0) + (start + t) * k.stride(1),
+                    kn.data_ptr<float>() + h * kn.stride(0) + t * kn.stride(1), D * sizeof(float));
+        std::memcpy(v.data_ptr<float>() + h * v.stride(0) + (start + t) * v.stride(1),
+                    vn.data_ptr<float>() + h * vn.stride(0) + t * vn.stride(1), D * sizeof(float));
+      }
+    S = start + T;
+  }
   const bool tree = slots.has_value() && slots->defined();
   const int64_t* sp = nullptr;
   const int64_t* op = nullptr;
@@ -273,5 +295,6 @@ void register_ops(pybind11::module& m) {
   m.def("attend", &attend,
         "softmax attention of query rows q [Hq, T, D] over the cache slots each may see -> [T, Hq * D]",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("window"),
-        pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(), pybind11::arg("offsets") = pybind11::none());
+        pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(), pybind11::arg("offsets") = pybind11::none(),
+        pybind11::arg("k_new") = pybind11::none(), pybind11::arg("v_new") = pybind11::none());
 }

@@ -240,14 +240,19 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, step.positions), self.rope(k, step.positions)
-        keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        cache = step.cache
+        if t <= BLOCKED_MAX_ROWS and (ops := _fused_ops(q, cache.k)) is not None:
+            # decode / verify rows: cache write and attention in one native call
+            slots, offsets = step.flat_slots(self.window)
+            attended = ops.attend(
+                q, cache.k_layers[layer], cache.v_layers[layer], step.start, self.window or 0, self.scale,
+                slots, offsets, k, v,
+            )
+            return self.o_proj(attended)  # [T, Hq * D]
+        keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
         if t > BLOCKED_MAX_ROWS:
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
             out = self._attend(q, keys, values, mask)  # [Hq, T, D]
-        elif (ops := _fused_ops(q, keys)) is not None:  # decode / verify rows in one native call
-            slots, offsets = step.flat_slots(self.window)
-            attended = ops.attend(q, keys, values, step.start, self.window or 0, self.scale, slots, offsets)
-            return self.o_proj(attended)  # [T, Hq * D]
         else:
             rows = [self._attend_row(q, keys, values, step, i) for i in range(t)]
             out = rows[0] if t == 1 else torch.cat(rows, dim=1)
