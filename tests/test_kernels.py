@@ -578,17 +578,23 @@ def test_activation_mode_env_var():
         "from quickdraft.errors import QuickdraftError\n"
         "print(g.default_activation_mode())\n"
     )
-    for value, expected in (("f32", "f32"), ("Q8", "q8"), ("", "q8")):
-        env = {**os.environ, "QUICKDRAFT_ACTIVATIONS": value}
+    check_env_var(code, "QUICKDRAFT_ACTIVATIONS", (("f32", "f32"), ("Q8", "q8"), ("", "q8")), "int4")
+
+
+def check_env_var(code: str, var: str, good: tuple[tuple[str, str], ...], bad: str) -> None:
+    """``code`` prints the expected value under each good setting of ``var``; a bad setting
+    fails with a message naming it."""
+    for value, expected in good:
+        env = {**os.environ, var: value}
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
         )
         assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
-    env = {**os.environ, "QUICKDRAFT_ACTIVATIONS": "int4"}
+    env = {**os.environ, var: bad}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
-    assert out.returncode != 0 and "QUICKDRAFT_ACTIVATIONS='int4'" in out.stderr
+    assert out.returncode != 0 and f"{var}={bad!r}" in out.stderr
 
 
 # ------------------------------------------------------------------------------------------------
@@ -747,14 +753,4 @@ def test_isa_selection_and_env_var():
     finally:
         kernels.set_isa(prev)
     code = "from quickdraft import kernels\nprint(kernels.isa())\n"
-    for value, expected in (("avx2", "avx2"), ("AUTO", best), ("", best)):
-        env = {**os.environ, "QUICKDRAFT_ISA": value}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
-    env = {**os.environ, "QUICKDRAFT_ISA": "avx9000"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode != 0 and "QUICKDRAFT_ISA='avx9000'" in out.stderr
+    check_env_var(code, "QUICKDRAFT_ISA", (("avx2", "avx2"), ("AUTO", best), ("", best)), "avx9000")
