@@ -25,11 +25,13 @@ from quickdraft.train.capture import FeatureSet, capture_features, plan_shards
 from quickdraft.train.eagle3 import (
     TrainConfig,
     Trainer,
+    autocast,
     chain_tau,
     collate,
     epoch_batches,
     init_head,
     lr_at,
+    resolve_device,
     ttt_loss,
     unroll,
 )
@@ -413,3 +415,68 @@ def test_cli_friendly_errors(tiny: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert rc == 2 and "nothing to resume" in capsys.readouterr().err
     rc = main(["train-eagle3", "--target", str(tiny), "--out", str(tmp_path / "z"), "--ttt-steps", "0", "-q", "--threads", "1"])
     assert rc == 2 and "--ttt-steps" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ precision, device
+
+
+def test_bf16_autocast_trains_with_float32_weights(loaded: LoadedModel, features: FeatureSet) -> None:
+    cfg = TrainConfig(batch_size=4, lr=3e-3, warmup=0.0, schedule="constant", eval_fraction=0.0,
+                      train_dtype="bfloat16")
+    head = head_for(loaded, features)
+    embed = embed_of(loaded)
+    batch = collate(features, [0, 1, 2, 3])
+    before, _ = ttt_loss(head, batch, embed, cfg)
+    trainer = Trainer(head, features, embed, cfg, progress=False)
+    with autocast(cfg, trainer.device):  # the forward really runs in bf16
+        logits = next(unroll(head, batch, trainer.embed, 1)).logits
+        assert torch.is_autocast_enabled("cpu")
+    assert logits.dtype == torch.float32  # the head returns float32 logits either way
+    for _ in range(20):
+        trainer.train_step([0, 1, 2, 3])
+    assert all(p.dtype == torch.float32 for p in head.parameters())  # master weights stay float32
+    assert not torch.is_autocast_enabled("cpu")  # nothing leaks out of a step
+    assert float(ttt_loss(head, batch, embed, cfg)[0].detach()) < 0.5 * float(before.detach())
+    with pytest.raises(QuickdraftError, match="--train-dtype"):
+        TrainConfig(train_dtype="float16")
+
+
+def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    for name in ("cuda", "cuda:0", "CUDA"):
+        with pytest.raises(QuickdraftError, match="CUDA is not available"):
+            resolve_device(name)
+    with pytest.raises(QuickdraftError, match="--device must be one of"):
+        resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+
+
+def test_cli_device_cpu_and_missing_cuda(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "head"
+    argv = ["train-eagle3", "--target", str(tiny), "--out", str(out), "--data", "stdlib", "--max-tokens", "200",
+            "--seq-len", "64", "--draft-vocab", "64", "--intermediate-size", "64", "--batch-size", "2",
+            "--epochs", "1", "--ttt-steps", "2", "-q", "--threads", "1"]
+    assert main([*argv, "--device", "cpu", "--train-dtype", "bfloat16"]) == 0
+    captured = capsys.readouterr()
+    assert "(float32, cpu)" in captured.err and captured.out.strip() == str(out)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["training"]["steps"] == log["training"]["total_steps"] > 0
+    assert log["options"]["train"]["train_dtype"] == "bfloat16" and "device" not in log["options"]
+    # the device is not part of the run: a resume may name another one
+    assert main([*argv, "--device", "auto", "--train-dtype", "bfloat16", "--resume"]) == 0
+    capsys.readouterr()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without CUDA
+    fresh = tmp_path / "cuda"
+    argv[argv.index(str(out))] = str(fresh)
+    assert main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: CUDA is not available" in err and "use --device cpu" in err
+    assert "Traceback" not in err and not fresh.exists()  # refused before loading or writing anything
+    assert main([*argv, "--device", "gpu"]) == 2
+    assert "--device must be one of auto, cpu, cuda" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from quickdraft.cli.common import info
 from quickdraft.config import DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 from quickdraft.train.data import SOURCES
-from quickdraft.train.eagle3 import LOSSES, SCHEDULES, TrainConfig
+from quickdraft.train.eagle3 import DEVICES, LOSSES, SCHEDULES, TRAIN_DTYPES, TrainConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", default="float32", choices=[d for d in DTYPE_CHOICES if d != "auto"],
                    help="the target's dtype while capturing features (default: float32; GGUF weights "
                         "dequantize exactly, so the features are those the quantized model computes)")
+    g.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + "}",
+                   help="where the target's capture, the head, the batches and the optimizer run: cpu, cuda "
+                        "(or cuda:N), or auto = cuda when available, else cpu (default: auto); a run may be "
+                        "resumed on another device")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     g = p.add_argument_group("data")
@@ -65,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ce: cross-entropy to the target's argmax (default); kl: to its top-k distribution")
     g.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
                    help=f"share of sequences held out for the final accuracy (default: {d.eval_fraction})")
+    g.add_argument("--train-dtype", default=d.train_dtype, choices=TRAIN_DTYPES,
+                   help="precision of the head's forward while training: float32 (default) or bfloat16 "
+                        "(autocast: bf16 matmuls, float32 weights and optimizer; faster on CPUs with "
+                        "AVX-512 BF16/AMX and on GPUs)")
     g.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     g.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
@@ -93,13 +101,14 @@ def run(args: argparse.Namespace) -> int:
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup=args.warmup,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, ttt_steps=args.ttt_steps,
         step_weight=args.step_weight, loss=args.loss, eval_fraction=args.eval_fraction,
-        save_every=args.save_every, seed=args.seed,
+        save_every=args.save_every, seed=args.seed, train_dtype=args.train_dtype,
     )
     opts = RunOptions(
         target=args.target, out=args.out.expanduser(), data=args.data, max_tokens=args.max_tokens,
         seq_len=args.seq_len, regenerate=args.regenerate, regen_max_tokens=args.regen_max_tokens, topk=args.topk,
         aux_layers=_aux_layers(args.aux_layers), draft_vocab=args.draft_vocab,
-        intermediate_size=args.intermediate_size, dtype=args.dtype, train=train, resume=args.resume,
+        intermediate_size=args.intermediate_size, dtype=args.dtype, device=args.device, train=train,
+        resume=args.resume,
     )
     configure_threads(args.threads)
     report = run_pipeline(opts, log=info, progress=not args.quiet)

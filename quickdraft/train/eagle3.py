@@ -24,6 +24,14 @@ approximates the acceptance rate at draft position s+1 given the earlier drafts 
 Checkpoints hold the head, AdamW's state, the step and the data position; the batch order of an
 epoch is a pure function of (seed, epoch), so a resumed run continues with exactly the batches
 (and parameters) an uninterrupted run would have had.
+
+Device and precision: the trainer runs where the head is (``resolve_device``: cpu, cuda or auto);
+batches are assembled on the CPU from the memory-mapped shards and moved there, the frozen
+embedding and AdamW's state live there. ``train_dtype="bfloat16"`` runs the forward (and so the
+backward's matmuls) under autocast with float32 master weights and optimizer; on the 2-core
+AVX-512 BF16 development machine that trains about 1.7x faster than float32 and reached the same
+held-out loss after 40 steps. Only the forward is wrapped: with the whole step under autocast
+(backward, clipping and AdamW included) the same 40-step test ended far worse (loss 63 vs 6).
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ from quickdraft.train.vocab import target_to_draft
 
 LOSSES = ("ce", "kl")
 SCHEDULES = ("cosine", "linear", "constant")
+TRAIN_DTYPES = ("float32", "bfloat16")  # the forward's matmuls; weights and AdamW stay float32
+DEVICES = ("auto", "cpu", "cuda")
 CHECKPOINT_FILE = "state.pt"
 
 
@@ -69,6 +79,7 @@ class TrainConfig:
     save_every: int = 200  # steps between checkpoints (0: only at the end)
     log_every: int = 10
     seed: int = 0
+    train_dtype: str = "float32"  # "bfloat16": the forward under autocast (float32 master weights)
 
     def __post_init__(self) -> None:
         checks = [
@@ -85,10 +96,44 @@ class TrainConfig:
             (0 <= self.eval_fraction < 0.5, f"--eval-fraction must be in [0, 0.5), got {self.eval_fraction}"),
             (self.save_every >= 0, f"--save-every must be >= 0, got {self.save_every}"),
             (self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}"),
+            (self.train_dtype in TRAIN_DTYPES,
+             f"--train-dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.train_dtype!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise QuickdraftError(message)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a clear
+    error when CUDA is asked for but not usable here."""
+    key = name.strip().lower()
+    if key == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if key == "cpu":
+        return torch.device("cpu")
+    if key == "cuda" or key.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise QuickdraftError(
+                f"--device {name}: CUDA is not available ({why}; torch {torch.__version__}); "
+                "use --device cpu, or --device auto to pick CUDA only when it is there"
+            )
+        try:
+            device = torch.device(key)
+        except RuntimeError:
+            raise QuickdraftError(f"--device {name!r} is not a device name like cuda or cuda:0") from None
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise QuickdraftError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return device
+    raise QuickdraftError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), got {name!r}")
+
+
+def autocast(cfg: TrainConfig, device: torch.device) -> torch.autocast:
+    """The forward's precision context: bf16 matmuls under ``train_dtype="bfloat16"``, else off.
+    Only the forward runs under it (backward follows the recorded casts; AdamW stays float32)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.train_dtype == "bfloat16")
 
 
 # ------------------------------------------------------------------------------ target weights
@@ -140,6 +185,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.valid.sum())
+
+    def to(self, device: torch.device) -> Batch:
+        if self.features.device == device:
+            return self
+        return Batch(self.features.to(device), self.tokens.to(device), self.valid.to(device),
+                     self.top_ids.to(device), self.top_logprobs.to(device))
 
 
 def collate(features: FeatureSet, indices: Sequence[int]) -> Batch:
@@ -230,7 +281,7 @@ class UnrollStep:
 def unroll(head: Eagle3Head, batch: Batch, embed: Tensor, steps: int) -> Iterator[UnrollStep]:
     """Run the head ``steps`` times over the batch, each step on the previous step's ``h``."""
     t = batch.features.shape[1]
-    positions = torch.arange(t)
+    positions = torch.arange(t, device=batch.features.device)
     feature = F.linear(batch.features, head.fc.weight)  # [B, T, H]
     cache: list[tuple[Tensor, Tensor]] = []
     for s in range(steps):
@@ -270,7 +321,7 @@ def ttt_loss(
     head: Eagle3Head, batch: Batch, embed: Tensor, cfg: TrainConfig
 ) -> tuple[Tensor, StepStats]:
     """The weighted training-time-test loss of one batch, and per-step top-1 hits."""
-    t2d_index = target_to_draft(head.t2d.cpu())
+    t2d_index = target_to_draft(head.t2d)
     weights = [cfg.step_weight**s for s in range(cfg.ttt_steps)]
     total = batch.features.new_zeros(())
     correct, counted = [], []
@@ -288,17 +339,19 @@ def ttt_loss(
 def evaluate(
     head: Eagle3Head, features: FeatureSet, indices: Sequence[int], embed: Tensor, cfg: TrainConfig
 ) -> StepStats | None:
-    """Loss and per-step accuracy over ``indices`` (no gradients)."""
+    """Loss and per-step accuracy over ``indices`` (no gradients), in the training precision."""
     if not indices:
         return None
+    device = head.device
     was_training = head.training
     head.eval()
     correct = [0] * cfg.ttt_steps
     counted = [0] * cfg.ttt_steps
     loss_sum = weight_sum = 0.0
     for i in range(0, len(indices), cfg.batch_size):
-        batch = collate(features, indices[i : i + cfg.batch_size])
-        loss, stats = ttt_loss(head, batch, embed, cfg)
+        batch = collate(features, indices[i : i + cfg.batch_size]).to(device)
+        with autocast(cfg, device):
+            loss, stats = ttt_loss(head, batch, embed, cfg)
         loss_sum += float(loss) * batch.num_tokens
         weight_sum += batch.num_tokens
         correct = [a + b for a, b in zip(correct, stats.correct, strict=True)]
@@ -354,7 +407,11 @@ class TrainResult:
 
 
 class Trainer:
-    """AdamW over the head's parameters; the embedding stays the target's, frozen."""
+    """AdamW over the head's parameters; the embedding stays the target's, frozen.
+
+    Everything runs on the head's device: move the head there first (``head.to(device)``); the
+    embedding and each batch follow it, the optimizer's state is created there.
+    """
 
     def __init__(
         self,
@@ -366,7 +423,8 @@ class Trainer:
         log: Callable[[str], None] = lambda _m: None,
         progress: bool = True,
     ) -> None:
-        self.head, self.features, self.embed, self.cfg = head, features, embed.float(), cfg
+        self.device = head.device
+        self.head, self.features, self.embed, self.cfg = head, features, embed.float().to(self.device), cfg
         self.checkpoint_dir = checkpoint_dir
         self.log, self.progress = log, progress
         self.lengths = [r.length for r in features.refs]
@@ -410,14 +468,16 @@ class Trainer:
         payload = torch.load(path, map_location="cpu", weights_only=False)
         if payload["head_config"] != self.head.config.to_dict():
             raise QuickdraftError(f"the checkpoint in {path.parent} is for a head of another shape; use a new --out")
-        if payload["train_config"] != asdict(self.cfg):
-            changed = sorted(k for k, v in asdict(self.cfg).items() if payload["train_config"].get(k) != v)
+        # settings added after a checkpoint was written count as their defaults
+        saved = {**asdict(TrainConfig()), **payload["train_config"]}
+        if saved != asdict(self.cfg):
+            changed = sorted(k for k, v in asdict(self.cfg).items() if saved.get(k) != v)
             raise QuickdraftError(
                 f"the checkpoint in {path.parent} was trained with other settings ({', '.join(changed)}); "
                 "resume with the same options, or train into a new --out"
             )
-        self.head.load_state_dict(payload["head"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        self.head.load_state_dict(payload["head"])  # copies onto the head's device
+        self.optimizer.load_state_dict(payload["optimizer"])  # state follows the parameters' device
         self.state = TrainState(**payload["state"])
         return True
 
@@ -429,11 +489,12 @@ class Trainer:
         return self._plan[1]
 
     def train_step(self, indices: Sequence[int]) -> StepStats:
-        batch = collate(self.features, indices)
+        batch = collate(self.features, indices).to(self.device)
         lr = lr_at(self.state.step, self.total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, stats = ttt_loss(self.head, batch, self.embed, self.cfg)
+        with autocast(self.cfg, self.device):
+            loss, stats = ttt_loss(self.head, batch, self.embed, self.cfg)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.max_grad_norm)
@@ -486,10 +547,10 @@ def _pooled(stats: Sequence[StepStats]) -> list[float]:
 
 
 def export_head(head: Eagle3Head, dtype: torch.dtype = torch.bfloat16) -> Eagle3Head:
-    """A copy of the trained head in ``dtype`` (buffers d2t/t2d keep their integer types)."""
+    """A copy of the trained head in ``dtype`` on the CPU (buffers d2t/t2d keep their integer types)."""
     import copy
 
-    out = copy.deepcopy(head).to(dtype)
+    out = copy.deepcopy(head).to(device="cpu", dtype=dtype)
     return out.eval()
 
 

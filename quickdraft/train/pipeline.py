@@ -10,6 +10,9 @@ Everything a run produces lives in its output folder, so an interrupted run cont
     config.json, model.safetensors   the finished head (Hugging Face EAGLE-3 layout, bf16)
     train_log.json        data, tokens seen, wall time per stage, accuracies, loss history
     stage_seconds.json    wall time per stage, summed over the invocations of a resumed run
+
+``device`` (cpu, cuda[:N], auto) says where the target captures and the head trains; it is not
+part of the run's identity, so a run captured on one device may be resumed on another.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from quickdraft.train.eagle3 import (
     dense_weight,
     export_head,
     init_head,
+    resolve_device,
     write_json,
 )
 from quickdraft.train.vocab import build_vocab, coverage, special_ids, token_counts
@@ -60,6 +64,7 @@ class RunOptions:
     draft_vocab: int = 8192
     intermediate_size: int | None = None  # None = the target's
     dtype: str = "float32"  # the target's dtype for capture and regeneration
+    device: str = "auto"  # capture, head, batches and optimizer: auto = cuda if available, else cpu
     train: TrainConfig = field(default_factory=TrainConfig)
     resume: bool = False
 
@@ -68,7 +73,7 @@ class RunOptions:
         shape (training settings are checked by the checkpoint, so they may still change until
         training has started)."""
         d = asdict(self)
-        for key in ("resume", "out", "train"):
+        for key in ("resume", "out", "train", "device"):  # a run may continue on another device
             d.pop(key)
         d["aux_layers"] = None if self.aux_layers is None else list(self.aux_layers)
         d["seed"] = self.train.seed  # also orders the data
@@ -142,10 +147,11 @@ def run(opts: RunOptions, log: Callable[[str], None] = lambda _m: None, progress
     sources = data_mod.parse_sources(opts.data)  # refuse bad data before loading anything
     if opts.regenerate < 0:
         raise QuickdraftError(f"--regenerate must be >= 0, got {opts.regenerate}")
+    device = resolve_device(opts.device)
     check_out(opts)
     t_start = time.perf_counter()
-    log(f"loading target {opts.target} ({opts.dtype}) ...")
-    loaded = load_model(opts.target, dtype=opts.dtype, max_context=opts.seq_len)
+    log(f"loading target {opts.target} ({opts.dtype}, {device}) ...")
+    loaded = load_model(opts.target, dtype=opts.dtype, device=str(device), max_context=opts.seq_len)
     model, tcfg = loaded.model, loaded.config
     default = tuple(sorted(set(default_aux_layers(tcfg.num_hidden_layers))))  # shallow models repeat ids
     aux = check_aux_layers(opts.aux_layers or default, tcfg.num_hidden_layers)
@@ -194,6 +200,7 @@ def run(opts: RunOptions, log: Callable[[str], None] = lambda _m: None, progress
 
     # 4. training
     head = init_head(head_cfg, model, d2t, seed=opts.train.seed, max_len=opts.seq_len + opts.train.ttt_steps + 1)
+    head.to(device)  # initialised on the CPU (same seed, same weights on every device)
     embed = dense_weight(model.model.embed_tokens)
     trainer = Trainer(head, features, embed, opts.train, opts.out / "checkpoint", log, progress)
     if opts.resume and trainer.load_checkpoint():
