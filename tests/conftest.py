@@ -6,9 +6,11 @@ later runs find them there and cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from quickdraft import zoo
 
@@ -23,3 +25,13 @@ def smollm2_gguf() -> Path:
 def qwen05_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct (qwen2, ~469 MiB): the draft half of the real pair."""
     return zoo.fetch("qwen2.5-coder-0.5b-instruct", progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a whole module (modules opt in with ``pytestmark``): the tiny models
+    of those tests run faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

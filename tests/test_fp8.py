@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +53,7 @@ PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    pri
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
 
 
 def spread_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

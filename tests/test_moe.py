@@ -118,12 +118,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 SPEC_CASES = ["mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
 
 
 # ------------------------------------------------------------------------------------ helpers

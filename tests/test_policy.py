@@ -3,7 +3,6 @@ AutoDrafter driving real generation (whatever it decides, greedy output stays pl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,12 +30,7 @@ PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    pri
 N = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
 
 
 # ---------------------------------------------------------------------------------- TargetCost

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,12 +55,7 @@ SMOL_PROMPT = (
 EMPTY = torch.empty(0, dtype=torch.long)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -8,7 +8,7 @@ Everything runs with one compute thread (restored afterwards), as in test_spec.p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,12 +42,7 @@ PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    pri
 N = 40  # greedy tokens per tiny run
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
 
 
 def ids(*values: int) -> torch.Tensor:
