@@ -44,7 +44,11 @@ from quickdraft.spec.factory import SpecConfig, build_drafter, build_eagle3_draf
 from quickdraft.spec.policy import AutoDrafter, TargetCost
 from quickdraft.spec.tree import DraftTree
 
-FLAT = TargetCost({1: 1.0, 2: 1.0})  # every pass costs the same: the cost model drafts big trees
+
+def flat() -> TargetCost:
+    """Every pass costs the same: the cost model drafts big trees. A new one per drafter: drafters
+    observe real pass times into their TargetCost, which must not leak into the next test."""
+    return TargetCost({1: 1.0, 2: 1.0})
 SHAPE = TreeShape(top_k=3, max_depth=4, max_nodes=10)
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 
@@ -284,7 +288,7 @@ def test_save_load_round_trip(random_target: LoadedModel, tmp_path: Path, layout
     _, captured = random_target.model(torch.tensor(prompt), random_target.model.make_cache(64), capture=(0, 2, 4))
     trees = []
     for h in (head, loaded):
-        drafter = Eagle3Drafter(h, random_target.model, shape=SHAPE, cost=FLAT, head_seconds=0.0, policy=False)
+        drafter = Eagle3Drafter(h, random_target.model, shape=SHAPE, cost=flat(), head_seconds=0.0, policy=False)
         drafter.prefill(torch.tensor(prompt), SamplingParams())
         drafter.feed(torch.cat(captured, dim=-1))
         drafter.commit(torch.tensor([7]), 0)
@@ -421,7 +425,7 @@ def test_greedy_equivalence_random_head(random_target: LoadedModel, mode: str, p
     prompt = random_target.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     drafter = Eagle3Drafter(random_head(random_target), random_target.model, mode=mode, shape=SHAPE,
-                            cost=FLAT, head_seconds=0.0, policy=policy)
+                            cost=flat(), head_seconds=0.0, policy=policy)
     out, stats = speculative(random_target, prompt, params, drafter, 10)
     assert out == plain(random_target, prompt, params)
     assert stats.drafted > 0
@@ -435,7 +439,7 @@ def test_oracle_head_first_draft_always_accepted(bigram: Bigram, mode: str) -> N
     reference = plain(target, prompt, params)
     assert all(bigram.perm[a] == b for a, b in zip(reference, reference[1:], strict=False)), "the bigram target"
     drafter = Eagle3Drafter(bigram.oracle_head((1, 0, 2), read=1), target.model, mode=mode, shape=SHAPE,
-                            cost=FLAT, head_seconds=0.0, policy=False)
+                            cost=flat(), head_seconds=0.0, policy=False)
     out, stats = speculative(target, prompt, params, drafter, 10)
     assert out == reference
     # every step that drafted had its first token accepted (the last step may have had no room)
@@ -451,7 +455,7 @@ def test_cost_model_sizes_trees(bigram: Bigram) -> None:
     prompt = target.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     sizes = {}
-    for name, cost in {"steep": TargetCost({1: 1.0, 2: 2.0}), "flat": FLAT}.items():
+    for name, cost in {"steep": TargetCost({1: 1.0, 2: 2.0}), "flat": flat()}.items():
         drafter = Eagle3Drafter(bigram.oracle_head((1, 0, 2), read=1), target.model, shape=SHAPE,
                                 cost=cost, head_seconds=0.001, policy=True, observe_cost=False)
         # the head's cost stays the given 1 ms (no timing of this machine's head passes: on a
@@ -467,7 +471,7 @@ def test_sampled_chain_carries_q_and_runs(bigram: Bigram) -> None:
     target = bigram.loaded
     prompt = target.tokenizer.encode(PROMPT)
     drafter = Eagle3Drafter(bigram.oracle_head((1, 0, 2), read=1), target.model, mode="chain", shape=SHAPE,
-                            cost=FLAT, head_seconds=0.0, policy=False)
+                            cost=flat(), head_seconds=0.0, policy=False)
     drafter.prefill(torch.tensor(prompt), SamplingParams(temperature=0.9, seed=3))
     _, captured = target.model(torch.tensor(prompt), target.model.make_cache(64), capture=(0, 1, 2))
     drafter.feed(torch.cat(captured, dim=-1))
@@ -482,7 +486,7 @@ def test_sampled_chain_carries_q_and_runs(bigram: Bigram) -> None:
     out, stats = speculative(target, prompt, params, drafter, 4)
     assert len(out) == 12 and stats.accepted > 0
     tree_drafter = Eagle3Drafter(bigram.oracle_head((1, 0, 2), read=1), target.model, shape=SHAPE,
-                                 cost=FLAT, head_seconds=0.0, policy=False)
+                                 cost=flat(), head_seconds=0.0, policy=False)
     out, stats = speculative(target, prompt, params, tree_drafter, 10)
     assert len(out) == 12 and stats.accepted > 0
 
@@ -494,7 +498,7 @@ def test_quantized_real_target(smollm2_gguf: Path) -> None:
     cfg = Eagle3Config.for_target(target.config, draft_vocab_size=4096)
     head = build_head(cfg, target.model)
     init_head_weights(head, torch.Generator().manual_seed(0))
-    drafter = Eagle3Drafter(head, target.model, shape=TreeShape(3, 3, 6), cost=FLAT, head_seconds=0.0, policy=False)
+    drafter = Eagle3Drafter(head, target.model, shape=TreeShape(3, 3, 6), cost=flat(), head_seconds=0.0, policy=False)
     assert head.embed_tokens is None and drafter.capture_layers == default_aux_layers(target.config.num_hidden_layers)
     prompt = target.tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about caches."}])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -509,7 +513,7 @@ def test_kv_cache_stays_aligned_after_rejections(random_target: LoadedModel) -> 
     prompt = target.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     head = random_head(target, seed=8)
-    drafter = Eagle3Drafter(head, target.model, mode="tree", shape=SHAPE, cost=FLAT, head_seconds=0.0, policy=False)
+    drafter = Eagle3Drafter(head, target.model, mode="tree", shape=SHAPE, cost=flat(), head_seconds=0.0, policy=False)
     fed: list[torch.Tensor] = []
     feed = drafter.feed
     drafter.feed = lambda hidden: (fed.append(hidden.clone()), feed(hidden))[1]  # type: ignore[method-assign]
