@@ -32,11 +32,13 @@ from quickdraft.quant import (
     set_reference_mode,
 )
 from quickdraft.quant.ggml import (
+    LANES_ID,
     activation_block_size,
     default_activation_mode,
     ggml_linear_multi,
     q8_activations_reference,
     quantize_activations_reference,
+    repack_lanes_reference,
     set_activation_mode,
     set_default_activation_mode,
 )
@@ -488,6 +490,86 @@ def _multi_layers() -> tuple[list[GGMLLinear], list[np.ndarray]]:
     return mods, raws
 
 
+# ------------------------------------------------------------------------------------------------
+# The lane layout of Q4_K / Q6_K (the q8 kernels' own)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_lanes_reference_layout_and_roundtrip(qtype):
+    """The torch repack puts value 32j + 4v + r of a block at vector v, byte 4j + r (Q4_K: nibble
+    v % 2 of byte 32 * (v // 2) + 4j + r after the 16 header bytes) and back again, losslessly."""
+    n, k = 3, 512
+    raw = torch.from_numpy(random_raw(qtype, n, k, seed=31))
+    lanes = repack_lanes_reference(qtype, raw, True)
+    assert lanes.shape == raw.shape and not torch.equal(lanes, raw)
+    assert torch.equal(repack_lanes_reference(qtype, lanes, False), raw)
+    _, ts = GGML_QUANT_SIZES[qtype]
+    head = slice(0, 16) if qtype == Q.Q4_K else slice(192, 210)
+    assert torch.equal(lanes.reshape(-1, ts)[:, head], raw.reshape(-1, ts)[:, head])  # scales stay
+    if qtype == Q.Q4_K:  # spot checks against the definition
+        blk, nat = lanes.reshape(-1, ts)[0], raw.reshape(-1, ts)[0]
+        for e in (0, 5, 37, 100, 255):
+            j, t = divmod(e, 32)
+            v, b = t // 4, 4 * j + t % 4
+            want = (int(nat[16 + 32 * (e // 64) + e % 32]) >> (4 * (e % 64 >= 32))) & 15
+            assert (int(blk[16 + 32 * (v // 2) + b]) >> (4 * (v % 2))) & 15 == want
+    with pytest.raises(ValueError, match="lane layout"):
+        repack_lanes_reference(Q.Q8_0, torch.zeros(1, 34, dtype=torch.uint8), True)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_lanes_kernel_repack_equals_reference(qtype):
+    mod = kernels.load()
+    n, k = 17, 768
+    raw = torch.from_numpy(random_raw(qtype, n, k, seed=32))
+    lanes = mod.repack_lanes(int(qtype), raw, k, True)  # type: ignore[union-attr]
+    assert torch.equal(lanes, repack_lanes_reference(qtype, raw, True))
+    assert torch.equal(mod.repack_lanes(int(qtype), lanes, k, False), raw)  # type: ignore[union-attr]
+    assert mod.lanes_id() == LANES_ID  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="lane layout"):
+        mod.linear_q8(int(qtype), raw, torch.randn(2, k), k)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="lane layout"):
+        mod.repack_lanes(int(Q.Q8_0), torch.zeros(1, 34, dtype=torch.uint8), 32, True)  # type: ignore[union-attr]
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_lanes_layout_switches_with_the_path(qtype):
+    """A q8 kernel call repacks the module's weight into lanes (a copy: the caller's tensor is left
+    alone); dequantize, embedding, the f32 kernels, the reference path and tensor-parallel slices
+    see the GGML values as before."""
+    from quickdraft.parallel.tp import slice_cols, slice_rows
+
+    n, k = 24, 512
+    raw_np = random_raw(qtype, n, k, seed=33)
+    raw = torch.from_numpy(raw_np.copy())
+    lin = GGMLLinear(qtype, raw, k)
+    want_w = torch.from_numpy(gguf_dequantize(raw_np.reshape(-1), qtype).reshape(n, k).astype(np.float32))
+    x = torch.randn(3, k)
+    y_q8 = lin(x)
+    assert lin._lanes and torch.equal(raw, torch.from_numpy(raw_np))  # repacked a copy
+    assert torch.equal(lin.dequantize(), want_w) and lin._lanes
+    ids = torch.tensor([[5, 0], [23, 5]])
+    assert torch.equal(lin.embedding(ids), want_w[ids])
+    assert torch.equal(lin.ggml_raw(), raw)
+    for part in (slice_rows(lin, 8, 16), slice_cols(lin, 256, 512, keep_bias=False)):
+        assert isinstance(part, GGMLLinear) and not part._lanes
+    assert torch.equal(slice_rows(lin, 8, 16).dequantize(), want_w[8:16])
+    assert torch.equal(slice_cols(lin, 256, 512, keep_bias=False).dequantize(), want_w[:, 256:])
+    set_activation_mode(lin, "f32")
+    y_f32 = lin(x)
+    assert not lin._lanes and torch.equal(lin.raw, raw)
+    assert torch.equal(y_f32, GGMLLinear(qtype, raw, k, activations="f32")(x))
+    set_activation_mode(lin, "q8")
+    assert torch.equal(lin(x), y_q8) and lin._lanes
+    with reference_mode():
+        y_ref = lin(x)
+    assert not lin._lanes
+    assert_close_q8(y_ref, x, raw_np, qtype)
+
+
 @requires_kernels
 def test_linear_multi_equals_separate_calls_bitwise():
     mods, raws = _multi_layers()
@@ -498,7 +580,8 @@ def test_linear_multi_equals_separate_calls_bitwise():
         for y, m, raw in zip(ys, mods, raws, strict=True):
             assert torch.equal(y, m(x)), (t, m.qtype.name)
             assert_close_q8(y, x, raw, m.qtype, m.bias)
-        direct = kernels.load().linear_multi(x, [(m._qt, m.raw, 512, m.bias) for m in mods])  # type: ignore[union-attr]
+        specs = [(m._set_layout(True), m.raw, 512, m.bias) for m in mods]
+        direct = kernels.load().linear_multi(x, specs)  # type: ignore[union-attr]
         assert all(torch.equal(a, b) for a, b in zip(direct, ys, strict=True))
     x3 = torch.randn(2, 5, 512)  # leading dims
     for y, m in zip(ggml_linear_multi(mods, x3), mods, strict=True):
@@ -553,7 +636,7 @@ def test_activation_mode_switching():
     x = torch.randn(3, k)
     mod = kernels.load()
     assert mod is not None
-    y_q8 = mod.linear_q8(int(qtype), raw, x, k)
+    y_q8 = mod.linear_q8(int(qtype) + LANES_ID, mod.repack_lanes(int(qtype), raw, k, True), x, k)
     y_f32 = mod.linear(int(qtype), raw, x, k)
     assert not torch.equal(y_q8, y_f32)  # the modes really differ (x is rounded to int8)
     assert all(torch.equal(m(x), y_q8) for m in (model[0], model[1][0]))

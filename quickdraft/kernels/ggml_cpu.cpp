@@ -7,19 +7,19 @@
 //
 // q8 (linear_q8, linear_multi; ggml_q8.h; the default): each input row is quantized to int8 per
 //   block, once per call, like llama.cpp's activations: per 256 values for K-quant weights (one
-//   fp32 scale d = amax/127, plus int16 sums of q per 16 values) and per 32 values for Q4_0, Q4_1,
-//   Q5_0, Q8_0 (fp32 scale, sum of q per 32). The kernel then works in integers: the weight bytes
-//   of a block are unpacked once in registers (nibbles, 6-bit values, or signed bytes) and reused
-//   for every input row of the register tile (1..8 rows x 1..4 weight rows), multiplied with
-//   maddubs (u8 x i8 -> i16 pairs, no saturation for any input) and widened with madd, which also
-//   applies the format's per-group scales (Q4_K, Q6_K). Within a block every sum is exact; then
-//   one short float sequence per (row, output, block) adds dx * dw * isum (and Q4_K's / Q4_1's min
-//   term, dx * dmin * sum(m_g * bsum_g)) into an 8-lane fp32 accumulator. What this changes
-//   numerically: x is rounded to int8 per block (relative error ~1/254 of the block's largest
-//   |x|), exactly as llama.cpp does; the weights are used exactly. 1 row is bound by memory
-//   bandwidth, k+1 rows cost little more (the integer work per row is ~3 uops per 32 weights).
-//   linear_multi computes several weights of the same x (q/k/v, gate/up) in one parallel region,
-//   quantizing x once per mode.
+//   fp32 scale d = amax/127, plus sums of q per group) and per 32 values for Q4_0, Q4_1, Q5_0,
+//   Q8_0 (fp32 scale, sum of q per 32). The kernel then works in integers: the weight bytes of a
+//   block are unpacked once in registers (nibbles, 6-bit values, or signed bytes) and reused for
+//   every input row of the register tile (1..8 rows x 1..4 weight rows), multiplied with dpbusd
+//   (AVX2: maddubs + madd; u8 x i8, no saturation for any input). Q4_K and Q6_K run in their
+//   "lane layout" (repack_lanes: the same values moved within each block, done once per weight):
+//   lane j of every register holds group j, so a block's integer sums come out per group and
+//   the group scales are applied once per block in float, not once per 32 weights in int16.
+//   Within a block every sum is exact; then one short float sequence per (row, output, block)
+//   adds dx * dw * isum (and the min / offset terms) into an 8-lane fp32 accumulator. What this
+//   changes numerically: x is rounded to int8 per block (relative error ~1/254 of the block's
+//   largest |x|), exactly as llama.cpp does; the weights are used exactly. linear_multi computes
+//   several weights of the same x (q/k/v, gate/up) in one parallel region, quantizing x once.
 // f32 (linear; this file's gemm in ggml_cpu.h): exact fp32 activations. Output rows are grouped
 //   in panels of NP = 8; a panel is walked along K in chunks of 256 (one K-quant super-block, eight
 //   32-blocks). Up to 8 input rows: a register tile of TT input rows x NN weight rows (1x4, 2x2 or
@@ -174,8 +174,11 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
     g.qtype = qtype;
     g.K = K;
     g.N = raw.size(0);
+    TORCH_CHECK(qtype != T_Q4_K && qtype != T_Q6_K, "the q8 kernels take Q4_K / Q6_K in the lane layout: ",
+                "repack_lanes(raw) and type id ", qtype + q8::LANES_ID);
     TORCH_CHECK(q8::init_job(g), "quickdraft kernels: unsupported GGML type ", qtype);
-    dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
+    // a lane layout has its GGML format's block sizes
+    dispatch(qtype >= q8::LANES_ID ? qtype - q8::LANES_ID : qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
     g.W = raw.data_ptr<uint8_t>();
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == g.N,
@@ -203,30 +206,48 @@ torch::Tensor linear_q8(int64_t qtype, const torch::Tensor& raw, const torch::Te
   return linear_multi(x, {WeightSpec{qtype, raw, K, bias}}, nthreads)[0];
 }
 
+// A copy of raw (Q4_K or Q6_K blocks [N, row_bytes]) in the lane layout of the q8 GEMM (to_lanes) or
+// back in the GGML layout; lossless (the same values, moved within each block).
+torch::Tensor repack_lanes(int64_t qtype, const torch::Tensor& raw, int64_t K, bool to_lanes, int64_t nthreads) {
+  TORCH_CHECK(qtype == T_Q4_K || qtype == T_Q6_K, "only Q4_K and Q6_K have a lane layout, not GGML type ", qtype);
+  dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
+  auto out = raw.clone();
+  const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
+  pybind11::gil_scoped_release nogil;
+  q8::repack_lanes(qtype, out.data_ptr<uint8_t>(), out.numel() / (qtype == T_Q4_K ? 144 : 210), to_lanes, nt);
+  return out;
+}
+
 // (q int8 [T, K], d float32 [T, K/bs], sums [T, K/16] int16 (bs 256) or [T, K/32] int32 (bs 32)):
-// the kernels' quantization of x, for tests.
+// the kernels' quantization of x, for tests (bs 256: the lane mode, q put back in order).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bs) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CPU float32 tensor [T, K]");
   TORCH_CHECK(bs == 256 || bs == 32, "block size must be 256 (K-quant weights) or 32");
   const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(K % bs == 0, "K ", K, " is not a multiple of ", bs);
-  const int mode = bs == 256 ? q8::KQ : q8::B32;
+  const int mode = bs == 256 ? q8::KL : q8::B32;
   const int64_t nchunks = (K + CHUNK - 1) / CHUNK;
   std::vector<q8::XChunk> buf(nchunks * T);
   q8::quantize_rows(x.data_ptr<float>(), T, K, mode, buf.data());
   auto q = torch::empty({T, K}, torch::kInt8);
   auto d = torch::empty({T, K / bs}, torch::kFloat32);
-  auto sums = mode == q8::KQ ? torch::empty({T, K / 16}, torch::kInt16) : torch::empty({T, K / 32}, torch::kInt32);
+  auto sums = mode == q8::KL ? torch::empty({T, K / 16}, torch::kInt16) : torch::empty({T, K / 32}, torch::kInt32);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < nchunks; ++c) {
       const q8::XChunk& xc = buf[c * T + t];
       const int64_t n = std::min<int64_t>(CHUNK, K - c * CHUNK);
-      std::memcpy(q.data_ptr<int8_t>() + t * K + c * CHUNK, xc.q, n);
-      if (mode == q8::KQ) {
+      int8_t* qr = q.data_ptr<int8_t>() + t * K + c * CHUNK;
+      if (mode == q8::KL) {
+        for (int e = 0; e < 256; ++e) qr[e] = xc.q[32 * (e % 32 / 4) + 4 * (e / 32) + e % 4];
         d.data_ptr<float>()[t * (K / 256) + c] = xc.d[0];
-        std::memcpy(sums.data_ptr<int16_t>() + t * (K / 16) + c * 16, xc.bsum, 32);
+        int16_t* sr = sums.data_ptr<int16_t>() + t * (K / 16) + c * 16;
+        for (int j = 0; j < 8; ++j) {
+          sr[2 * j] = static_cast<int16_t>(xc.b6[j] / 32);
+          sr[2 * j + 1] = static_cast<int16_t>(xc.b6[8 + j] / 32);
+        }
       } else {
+        std::memcpy(qr, xc.q, n);
         for (int64_t b = 0; b < n / 32; ++b) {
           d.data_ptr<float>()[t * (K / 32) + c * 8 + b] = xc.d[b];
           sums.data_ptr<int32_t>()[t * (K / 32) + c * 8 + b] = static_cast<int32_t>(xc.s[b]);
@@ -259,6 +280,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_multi", &linear_multi,
         "[x @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)], q8 activations, one call",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0);
+  m.def("repack_lanes", &repack_lanes,
+        "a copy of Q4_K / Q6_K blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
+        pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("to_lanes"),
+        pybind11::arg("num_threads") = 0);
+  m.def("lanes_id", []() { return q8::LANES_ID; }, "kernel type id of a lane layout = GGML type id + this");
   m.def("quantize_activations", &quantize_activations,
         "(q int8 [T, K], d float32 [T, K/bs], sums): x quantized per block of bs = 256 or 32",
         pybind11::arg("x"), pybind11::arg("block_size"));

@@ -36,8 +36,9 @@ namespace q8 {
 // Activation quantization
 //
 // Two modes, picked by the weight format (like llama.cpp's vec_dot_type):
-//   KQ (K-quant weights, block 256, "Q8_K"): one fp32 scale per 256 values and the int16 sum of
-//       q over each 16 values (for the Q4_K min and Q6_K offset terms);
+//   KL (K-quant weights in the lane layout, block 256, "Q8_K"): one fp32 scale per 256 values,
+//       the values permuted like the weights (see LANES below) and per-group sums of q (for the
+//       Q4_K min and Q6_K offset terms);
 //   B32 (32-blocks: Q4_0, Q4_1, Q5_0, Q8_0): one fp32 scale per 32 values and the sum of q over
 //       the 32 (for the Q4_1 min term).
 // Per block: amax = max |x|, d = amax / 127, id = d != 0 ? 1 / d : 0, q = round-half-even(x * id)
@@ -45,16 +46,20 @@ namespace q8 {
 // rule in torch, bit for bit. A row is quantized alone: the same bits whatever rows come with it.
 // ---------------------------------------------------------------------------------------------
 
-enum XMode : int { KQ = 0, B32 = 1 };
+enum XMode : int { KL = 0, B32 = 1 };
+constexpr int NMODES = 2;
 
-// One input row's 256 values (one panel step), quantized. 352 bytes, 32-byte aligned.
+// One input row's 256 values (one panel step), quantized. 416 bytes, 32-byte aligned.
 struct alignas(32) XChunk {
+  // B32: the values in order. KL: permuted so that byte 4j + r of vector v (q[32v + 4j + r]) is
+  // value 32j + 4v + r: lane j of every vector belongs to 32-group j.
   int8_t q[256];
-  int16_t bsum[16];  // KQ: sum of q[16i .. 16i+15]
-  float d[8];        // KQ: d[0] is the scale of the 256; B32: d[b] is the scale of q[32b .. 32b+31]
-  float s[8];        // B32: sum of q[32b .. 32b+31] as a float (exact: |s| <= 4064)
+  float d[8];  // KL: d[0] is the scale of the 256; B32: d[b] is the scale of q[32b .. 32b+31]
+  float s[8];  // B32: sum of q[32b .. 32b+31] as a float (exact: |s| <= 4064)
+  float bm[8];  // KL: d * (sum of q over 32-group j), for Q4_K's min term
+  int32_t b6[16];  // KL: 32 * (sum of q over 16-group 2j) at j, 16-group 2j + 1 at 8 + j (Q6_K's offset)
 };
-static_assert(sizeof(XChunk) == 352, "XChunk layout");
+static_assert(sizeof(XChunk) == 416, "XChunk layout");
 
 QD_INLINE float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,20 +95,31 @@ QD_INLINE __m256i quant32(const float* x, __m256 id, int8_t* q) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
 }
 
-// n values (a multiple of 32, at most 256) of one row -> c.
+// n values (a multiple of 32, at most 256; KL: 256) of one row -> c.
 template <int MODE>
 void quantize_chunk(const float* x, int n, XChunk& c) {
-  if (MODE == KQ) {
-    const float d = absmax(x, n / 8) / 127.0f;
+  if (MODE == KL) {
+    alignas(32) int8_t qn[256];  // in order
+    const float d = absmax(x, 32) / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     c.d[0] = d;
-    for (int v = 0; v < n / 32; ++v) {
-      const __m256i s = quant32(x + 32 * v, _mm256_set1_ps(id), c.q + 32 * v);
+    int32_t s16[16];  // sums of q over each 16
+    for (int v = 0; v < 8; ++v) {
+      const __m256i sm = quant32(x + 32 * v, _mm256_set1_ps(id), qn + 32 * v);
       // lanes 0..3: values 0..15, lanes 4..7: values 16..31
-      const __m128i h = _mm_hadd_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      const __m128i h = _mm_hadd_epi32(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
       const __m128i h2 = _mm_hadd_epi32(h, h);  // [sum 0..15, sum 16..31, ...]
-      c.bsum[2 * v] = static_cast<int16_t>(_mm_cvtsi128_si32(h2));
-      c.bsum[2 * v + 1] = static_cast<int16_t>(_mm_extract_epi32(h2, 1));
+      s16[2 * v] = _mm_cvtsi128_si32(h2);
+      s16[2 * v + 1] = _mm_extract_epi32(h2, 1);
+    }
+    int32_t* out = reinterpret_cast<int32_t*>(c.q);  // 4-byte groups: an 8 x 8 transpose
+    const int32_t* in = reinterpret_cast<const int32_t*>(qn);
+    for (int v = 0; v < 8; ++v)
+      for (int j = 0; j < 8; ++j) out[8 * v + j] = in[8 * j + v];
+    for (int j = 0; j < 8; ++j) {
+      c.bm[j] = d * static_cast<float>(s16[2 * j] + s16[2 * j + 1]);
+      c.b6[j] = 32 * s16[2 * j];
+      c.b6[8 + j] = 32 * s16[2 * j + 1];
     }
   } else {
     for (int b = 0; b < n / 32; ++b) {
@@ -123,18 +139,15 @@ void quantize_chunk(const float* x, int n, XChunk& c) {
 // Weight formats for the integer dot
 //
 // F::prepare(block, pre) decodes a block's scales; F::seg(s, block, pre, put) for s < NSEG calls
-// put(v, w, sc) with w the 32 weight bytes of vector v (elements 32v .. 32v+31 of the block: the
-// same positions as the activation bytes q[32v ..]) and sc the int16 multipliers of the 16 pair
-// sums maddubs makes of them. Unsigned formats give w in 0..15 or 0..63 (maddubs(w, q)); SIGNED
-// ones give w as int8 and the dot uses maddubs(|w|, sign(q, w)).
-// No int16 saturation can occur, for any input: maddubs adds two products of |w| <= 128 (Q8_0's
-// |-128|) and |q| <= 127, so |pair| <= 2 * 128 * 127 = 32512 < 32767 (Q6_K: 2 * 63 * 127 = 16002,
-// Q4_K: 2 * 15 * 127 = 3810); madd then widens to int32. No int32 overflow either: a block's lane
-// is at most 8 vectors * 2 pairs * 128 (|Q6_K scale|) * 16002 < 2^25 (Q6_K's 32*offset term:
-// 32 * 2 * 128 * 2032 < 2^24). Lanes below 2^24 convert to float exactly (every format but an
-// extreme Q6_K block; there the conversion rounds, deterministically, by at most 2^-24 relative).
-// F::finish(isum, pre, xc, blk, acc) turns the block's exact int32 lanes into floats: the only
-// float arithmetic of the path, one fixed sequence per (row, output, block).
+// put(v, w) with w the 32 weight bytes of vector v (the same positions as the activation bytes
+// q[32v ..]: elements 32v .. 32v+31 of a 32-block format; the lane layout for K-quants).
+// Unsigned formats give w in 0..15 or 0..63; SIGNED ones give w as int8 and the dot uses
+// |w| . sign(q, w). The dot is dpbusd (AVX2: maddubs + madd(1) + add), exact for any input: maddubs
+// adds two products of |w| <= 128 (Q8_0's |-128|) and |q| <= 127, so |pair| <= 32512 < 32767
+// (no int16 saturation); an int32 lane is at most 8 vectors * 4 * 128 * 127 < 2^20 (Q6_K lanes
+// with the offset term: 16 * 63 * 127 + 32 * 16 * 127 < 2^18). Lanes below 2^24 convert to float
+// exactly. F::finish(isum, pre, xc, blk, acc) turns the block's exact int32 lanes into floats: the
+// only float arithmetic of the path, one fixed sequence per (row, output, block).
 // ---------------------------------------------------------------------------------------------
 
 QD_INLINE __m256 dxb(const XChunk& xc, int64_t blk) { return _mm256_broadcast_ss(xc.d + blk); }
@@ -143,7 +156,6 @@ struct Q4_0 {  // w = d*(q-8): signed bytes q-8
   static constexpr int64_t BS = 32, TS = 18;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = true;
-  static constexpr bool UNIT = true;  // sc is always 1
   struct Pre {
     float d;
   };
@@ -153,7 +165,7 @@ struct Q4_0 {  // w = d*(q-8): signed bytes q-8
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-    put(0, _mm256_sub_epi8(w, _mm256_set1_epi8(8)), _mm256_set1_epi16(1));
+    put(0, _mm256_sub_epi8(w, _mm256_set1_epi8(8)));
   }
   static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
     const __m256 s = _mm256_mul_ps(_mm256_set1_ps(p.d), dxb(xc, blk));
@@ -165,7 +177,6 @@ struct Q4_1 {  // w = d*q + m, q 0..15: sum x w = dx*(d*sum(q*qx) + m*sum(qx))
   static constexpr int64_t BS = 32, TS = 20;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = false;
-  static constexpr bool UNIT = true;  // sc is always 1
   struct Pre {
     float d, m;
   };
@@ -177,8 +188,7 @@ struct Q4_1 {  // w = d*q + m, q 0..15: sum x w = dx*(d*sum(q*qx) + m*sum(qx))
   static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-    put(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4)),
-        _mm256_set1_epi16(1));
+    put(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4)));
   }
   static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
     const __m256 dx = dxb(xc, blk);
@@ -194,7 +204,6 @@ struct Q5_0 {  // w = d*(q-16), q 5 bits: signed bytes q-16
   static constexpr int64_t BS = 32, TS = 22;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = true;
-  static constexpr bool UNIT = true;  // sc is always 1
   using Pre = Q4_0::Pre;
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
   template <class P>
@@ -210,7 +219,7 @@ struct Q5_0 {  // w = d*(q-16), q 5 bits: signed bytes q-16
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
     __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread);  // byte j: qh byte j/8
     hb = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit), b4);      // 16 where bit j is set
-    put(0, _mm256_sub_epi8(_mm256_or_si256(nib, hb), b4), _mm256_set1_epi16(1));
+    put(0, _mm256_sub_epi8(_mm256_or_si256(nib, hb), b4));
   }
   static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
     Q4_0::finish(isum, p, xc, blk, acc);
@@ -221,29 +230,39 @@ struct Q8_0 {  // w = d*q, q int8
   static constexpr int64_t BS = 32, TS = 34;
   static constexpr int NSEG = 1, MODE = B32;
   static constexpr bool SIGNED = true;
-  static constexpr bool UNIT = true;  // sc is always 1
   using Pre = Q4_0::Pre;
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
   template <class P>
   static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
-    put(0, load_256(b + 2), _mm256_set1_epi16(1));
+    put(0, load_256(b + 2));
   }
   static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
     Q4_0::finish(isum, p, xc, blk, acc);
   }
 };
 
-// Q4_K (layout in ggml_cpu.h): w = (d*sc_g)*q - dmin*m_g for group g (32 values), q 0..15.
-// sum x w = dx * (d * sum_g sc_g * sum(q*qx) - dmin * sum_g m_g * (bsum_2g + bsum_2g+1)).
-struct Q4_K {
+// ---------------------------------------------------------------------------------------------
+// LANES: Q4_K and Q6_K repacked (losslessly, at load: repack_lanes below) so that lane j of every
+// 32-byte weight vector holds 4 values of 32-group j (the activations in KL mode are permuted the
+// same way). A block's 8 vectors then accumulate with dpbusd (AVX2: maddubs + madd(1)) into one
+// int32 register whose lane j is group j's exact sum, and the per-group scales are applied once
+// per block in float (8 lanes at a time) instead of once per vector in int16: half the integer
+// multiplies per input row, and no scale broadcasts.
+//
+// Q4_K lanes, 144 bytes: d, dmin, scales[12] as in Q4_K; then 4 x 32 bytes: group u's byte b holds
+// vector 2u's byte b in its low nibble and vector 2u + 1's in its high nibble.
+// Q6_K lanes, 210 bytes: ql[128] (the low 4 bits, vectors paired as Q4_K lanes' nibbles), qh[64]
+// (32 bytes per 4 vectors: vector 4h + k's 2 high bits at bits 2k, 2k + 1 of qh[32h + b]),
+// scales[16], d as in Q6_K. Vector v, lane j covers values 32j + 4v .. +3: 16-group 2j for v < 4,
+// 2j + 1 for v >= 4; so vectors 0-3 and 4-7 go to two accumulators.
+// ---------------------------------------------------------------------------------------------
+
+struct Q4_KL {
   static constexpr int64_t BS = 256, TS = 144;
-  static constexpr int NSEG = 4, MODE = KQ;
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2;  // even / odd vectors: two short chains
   static constexpr bool SIGNED = false;
-  static constexpr bool UNIT = false;  // per-group scales sc
   struct Pre {
-    alignas(32) int16_t mins[16];  // m0 m0 m1 m1 ... m7 m7 (pairs with the 16 bsums)
-    alignas(16) int16_t sc[8];
-    float d, dmin;
+    __m256 dsc, dmm;  // d * sc_j, dmin * m_j (lane j: 32-group j)
   };
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
     uint32_t u[3];
@@ -252,86 +271,120 @@ struct Q4_K {
                         (u[0] & 0x3f3f3f3fu);
     const uint64_t mn = (uint64_t{((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)} << 32) |
                         (u[1] & 0x3f3f3f3fu);
-    const __m128i s8 = _mm_cvtsi64_si128(static_cast<int64_t>(sc));
-    const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
-    _mm_store_si128(reinterpret_cast<__m128i*>(p.sc), _mm_cvtepu8_epi16(s8));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p.mins), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));
-    p.d = fp16(b);
-    p.dmin = fp16(b + 2);
+    const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+    p.dsc = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), s);
+    p.dmm = _mm256_mul_ps(_mm256_set1_ps(fp16(b + 2)), m);
   }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
-  static QD_INLINE void seg(int s, const uint8_t* b, const Pre& p, P&& put) {
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i q = load_256(b + 16 + 32 * s);
-    put(2 * s, _mm256_and_si256(q, m4), _mm256_set1_epi16(p.sc[2 * s]));
-    put(2 * s + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_set1_epi16(p.sc[2 * s + 1]));
+    put(2 * s, _mm256_and_si256(q, m4));
+    put(2 * s + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
   }
-  static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
-    const __m256 dx = dxb(xc, 0);
-    const __m256i ms = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p.mins)),
-                                         _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.bsum)));
-    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(p.d), dx), _mm256_load_ps(acc));
-    a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(p.dmin), dx), a);
+  // sum x w = sum_j dx * d * sc_j * isum_j - dmin * m_j * (dx * bsum_j)
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+    const __m256i is = _mm256_add_epi32(isum[0], isum[1]);
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(p.dsc, _mm256_broadcast_ss(xc.d)),
+                               _mm256_load_ps(acc));
+    a = _mm256_fnmadd_ps(p.dmm, _mm256_load_ps(xc.bm), a);
     _mm256_store_ps(acc, a);
   }
 };
 
-// Q6_K (layout in ggml_cpu.h): w = (d*scale_g)*(q-32) for group g (16 values), q 0..63, scale int8.
-// sum x w = dx * d * (sum_g scale_g * sum(q*qx) - 32 * sum_g scale_g * bsum_g).
-struct Q6_K {
+struct Q6_KL {
   static constexpr int64_t BS = 256, TS = 210;
-  static constexpr int NSEG = 4, MODE = KQ;
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2;
   static constexpr bool SIGNED = false;
-  static constexpr bool UNIT = false;  // per-group scales sc
   struct Pre {
-    alignas(32) int16_t sc[16];      // scale_0 .. scale_15
-    alignas(32) int16_t scv[8][16];  // vector v: scale_2v x 8 | scale_2v+1 x 8 (the 16 pair sums)
-    float d;
+    __m256 dsc[2];  // d * scale of 16-group 2j (dsc[0]) and 2j + 1 (dsc[1]) in lane j
   };
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
-    const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p.sc), s);
-    const __m256i lo = _mm256_permute2x128_si256(s, s, 0x00), hi = _mm256_permute2x128_si256(s, s, 0x11);
-    QD_UNROLL
-    for (int k = 0; k < 4; ++k) {
-      // low 128-bit lane: word 2k, high lane: word 2k+1
-      const __m256i ctl = _mm256_setr_epi8(4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,  //
-                                           4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,  //
-                                           4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2,
-                                           4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3,
-                                           4 * k + 2, 4 * k + 3);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p.scv[k]), _mm256_shuffle_epi8(lo, ctl));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p.scv[k + 4]), _mm256_shuffle_epi8(hi, ctl));
-    }
-    p.d = fp16(b + 208);
+    // scales s0 .. s15 -> even ones, odd ones
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m128i eo = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256 d = _mm256_set1_ps(fp16(b + 208));
+    p.dsc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eo)));
+    p.dsc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8))));
   }
+  static QD_INLINE int acc_of(int v) { return v / 4; }
   template <class P>
-  static QD_INLINE void seg(int s, const uint8_t* b, const Pre& p, P&& put) {
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-    const int h = s / 2;
-    const __m256i l0 = load_256(b + 64 * h), l1 = load_256(b + 64 * h + 32), hh = load_256(b + 128 + 32 * h);
-    QD_UNROLL
-    for (int cc = 0; cc < 2; ++cc) {
-      const int c = 2 * (s % 2) + cc;  // elements 128h + 32c .. +31: vector 4h + c
-      const __m256i l = c % 2 ? l1 : l0;
-      const __m256i lo = c < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-      const __m256i hi = c == 0   ? _mm256_slli_epi16(hh, 4)
-                         : c == 1 ? _mm256_slli_epi16(hh, 2)
-                         : c == 2 ? hh
-                                  : _mm256_srli_epi16(hh, 2);
-      const int v = 4 * h + c;
-      put(v, _mm256_or_si256(lo, _mm256_and_si256(hi, m2)),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(p.scv[v])));
-    }
+    const __m256i l = load_256(b + 32 * s), hh = load_256(b + 128 + 32 * (s / 2));
+    const int k = 2 * (s % 2);  // vectors 2s = 4(s/2) + k and 2s + 1
+    const __m256i h0 = k == 0 ? _mm256_slli_epi16(hh, 4) : hh;
+    const __m256i h1 = k == 0 ? _mm256_slli_epi16(hh, 2) : _mm256_srli_epi16(hh, 2);
+    put(2 * s, _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(h0, m2)));
+    put(2 * s + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4), _mm256_and_si256(h1, m2)));
   }
-  static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
-    const __m256i off = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p.sc)),
-                                          _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.bsum)));
-    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
-    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(p.d), dxb(xc, 0));
-    _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, _mm256_load_ps(acc)));
+  // sum x w = sum_g dx * d * scale_g * (isum_g - 32 * bsum_g)
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+    const __m256 dx = _mm256_broadcast_ss(xc.d);
+    const __m256i i0 = _mm256_sub_epi32(isum[0], _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6)));
+    const __m256i i1 = _mm256_sub_epi32(isum[1], _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6 + 8)));
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(p.dsc[0], dx), _mm256_load_ps(acc));
+    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(p.dsc[1], dx), a);
+    _mm256_store_ps(acc, a);
   }
 };
+
+// Byte / shift of value e (0..255) of a block, in the GGML layout and in the lane layout.
+struct QPos {
+  int byte, shift;
+};
+QD_INLINE QPos lanes_pos(int e) {  // vector v, byte b of the vector
+  const int j = e / 32, t = e % 32, v = t / 4, b = 4 * j + t % 4;
+  return {32 * (v / 2) + b, 4 * (v % 2)};
+}
+QD_INLINE QPos lanes_hpos(int e) {  // Q6_K lanes' 2 high bits
+  const int j = e / 32, t = e % 32, v = t / 4, b = 4 * j + t % 4;
+  return {128 + 32 * (v / 4) + b, 2 * (v % 4)};
+}
+
+// Repacks n blocks of Q4_K (qtype 12) or Q6_K (14) in place between the GGML layout and the lane
+// layout (to_lanes: GGML -> lanes; else back). Lossless: the same values, moved.
+inline void repack_lanes(int64_t qtype, uint8_t* blocks, int64_t n, bool to_lanes, int nthreads) {
+  const int64_t ts = qtype == 12 ? 144 : 210;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    uint8_t* b = blocks + i * ts;
+    uint8_t q[256];
+    if (qtype == 12) {
+      uint8_t* qs = b + 16;
+      for (int e = 0; e < 256; ++e) {
+        const int g = e / 64, k = e % 64;
+        const QPos nat{32 * g + k % 32, k >= 32 ? 4 : 0}, lan = lanes_pos(e);
+        const QPos src = to_lanes ? nat : lan;
+        q[e] = (qs[src.byte] >> src.shift) & 15;
+      }
+      std::memset(qs, 0, 128);
+      for (int e = 0; e < 256; ++e) {
+        const int g = e / 64, k = e % 64;
+        const QPos nat{32 * g + k % 32, k >= 32 ? 4 : 0}, lan = lanes_pos(e);
+        const QPos dst = to_lanes ? lan : nat;
+        qs[dst.byte] |= q[e] << dst.shift;
+      }
+    } else {
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, l = e % 128;
+        const QPos nl{64 * h + l % 64, l >= 64 ? 4 : 0}, nh{128 + 32 * h + l % 32, 2 * (l / 32)};
+        const QPos sl = to_lanes ? nl : lanes_pos(e), sh = to_lanes ? nh : lanes_hpos(e);
+        q[e] = ((b[sl.byte] >> sl.shift) & 15) | (((b[sh.byte] >> sh.shift) & 3) << 4);
+      }
+      std::memset(b, 0, 192);
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, l = e % 128;
+        const QPos nl{64 * h + l % 64, l >= 64 ? 4 : 0}, nh{128 + 32 * h + l % 32, 2 * (l / 32)};
+        const QPos dl = to_lanes ? lanes_pos(e) : nl, dh = to_lanes ? lanes_hpos(e) : nh;
+        b[dl.byte] |= (q[e] & 15) << dl.shift;
+        b[dh.byte] |= (q[e] >> 4) << dh.shift;
+      }
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // GEMM
@@ -349,6 +402,26 @@ constexpr int nn_for(int tt) {
   return tt == 1 ? 4 : tt <= 4 ? 2 : 1;
 }
 
+// Integer accumulators per (input row, weight row): 2 for Q6_K lanes, else 1.
+template <class F>
+constexpr bool lanes() {
+  return F::MODE == KL;
+}
+template <class F>
+constexpr int nacc() {
+  if constexpr (lanes<F>())
+    return F::NACC;
+  else
+    return 1;
+}
+template <class F>
+QD_INLINE int acc_index(int v) {
+  if constexpr (lanes<F>())
+    return F::acc_of(v);
+  else
+    return 0;
+}
+
 // acc[i][j] (8 floats at acc + (i*NP + j)*8) += rows i of x (chunks x[i]) . weight rows j (blocks
 // at b[j]), over nblk blocks of the current chunk.
 template <class F, int TT, int NN>
@@ -360,35 +433,34 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     typename F::Pre pre[NN];
     QD_UNROLL
     for (int j = 0; j < NN; ++j) F::prepare(p[j], pre[j]);
-    __m256i ia[TT][NN];
+    constexpr int NA = nacc<F>();
+    __m256i ia[TT][NN][NA];
     QD_UNROLL
     for (int i = 0; i < TT; ++i)
       QD_UNROLL
-      for (int j = 0; j < NN; ++j) ia[i][j] = _mm256_setzero_si256();
+      for (int j = 0; j < NN; ++j)
+        QD_UNROLL
+        for (int a = 0; a < NA; ++a) ia[i][j][a] = _mm256_setzero_si256();
     const int64_t xo = F::BS == 32 ? 32 * blk : 0;
     QD_UNROLL
     for (int s = 0; s < F::NSEG; ++s) {
       QD_UNROLL
       for (int j = 0; j < NN; ++j) {
-        F::seg(s, p[j], pre[j], [&](int v, __m256i w, __m256i sc) __attribute__((always_inline)) {
+        F::seg(s, p[j], pre[j], [&](int v, __m256i w) __attribute__((always_inline)) {
           const __m256i wu = F::SIGNED ? _mm256_sign_epi8(w, w) : w;  // |w| (|-128| = 128 unsigned)
           QD_UNROLL
           for (int i = 0; i < TT; ++i) {
             __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].q + xo + 32 * v));
             if (F::SIGNED) xv = _mm256_sign_epi8(xv, w);
+            __m256i& acc_r = ia[i][j][acc_index<F>(v)];
 #ifdef QD_VNNI
-            // the same exact integer sums in fewer instructions: dpbusd = maddubs + madd(1) + add
-            // (no int16 step at all), dpwssd = madd + add
-            if constexpr (F::UNIT)
-              ia[i][j] = _mm256_dpbusd_epi32(ia[i][j], wu, xv);
-            else
-              ia[i][j] = _mm256_dpwssd_epi32(ia[i][j], _mm256_maddubs_epi16(wu, xv), sc);
+            acc_r = _mm256_dpbusd_epi32(acc_r, wu, xv);  // = maddubs + madd(1) + add, in one step
 #else
-            ia[i][j] = _mm256_add_epi32(ia[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), sc));
+            acc_r = _mm256_add_epi32(acc_r, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), _mm256_set1_epi16(1)));
 #endif
             // keeps GCC from reassociating the (exact, so reorderable) integer sums into trees
             // of products computed far ahead and spilled to the stack
-            __asm__("" : QD_ACC_REG(ia[i][j]));
+            __asm__("" : QD_ACC_REG(acc_r));
           }
         });
       }
@@ -396,7 +468,12 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     QD_UNROLL
     for (int i = 0; i < TT; ++i)
       QD_UNROLL
-      for (int j = 0; j < NN; ++j) F::finish(ia[i][j], pre[j], x[i], blk, acc + (i * NP + j) * 8);
+      for (int j = 0; j < NN; ++j) {
+        if constexpr (lanes<F>())
+          F::finish(ia[i][j], pre[j], x[i], blk, acc + (i * NP + j) * 8);
+        else
+          F::finish(ia[i][j][0], pre[j], x[i], blk, acc + (i * NP + j) * 8);
+      }
     QD_UNROLL
     for (int j = 0; j < NN; ++j) p[j] += F::TS;
   }
@@ -472,6 +549,9 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
 
 // GGML type ids (gguf.GGMLQuantizationType)
 enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+// The lane layouts' ids (not GGML types): the GGML id + LANES_ID.
+constexpr int64_t LANES_ID = 1000;
+enum : int64_t { T_Q4_KL = T_Q4_K + LANES_ID, T_Q6_KL = T_Q6_K + LANES_ID };
 
 // Calls fn(F{}) for the q8 format struct of a GGML type id; false if unsupported.
 template <class Fn>
@@ -481,8 +561,8 @@ bool dispatch(int64_t qtype, Fn&& fn) {
     case T_Q4_1: fn(Q4_1{}); return true;
     case T_Q5_0: fn(Q5_0{}); return true;
     case T_Q8_0: fn(Q8_0{}); return true;
-    case T_Q4_K: fn(Q4_K{}); return true;
-    case T_Q6_K: fn(Q6_K{}); return true;
+    case T_Q4_KL: fn(Q4_KL{}); return true;
+    case T_Q6_KL: fn(Q6_KL{}); return true;
     default: return false;
   }
 }
@@ -506,20 +586,24 @@ constexpr int64_t XQ_KEEP = int64_t{8} << 20;  // bytes
 // need, then computes every job's panels, all in one parallel region.
 inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads) {
   const int64_t nchunks = (K + CHUNK - 1) / CHUNK;
-  bool need[2] = {false, false};
+  bool need[NMODES] = {};
   int64_t panels = 0;
   for (int i = 0; i < njobs; ++i) {
     need[jobs[i].mode] = true;
     panels += jobs[i].npanels;
   }
   const int64_t per_mode = nchunks * T;  // chunks
-  const int64_t bytes = (need[0] + need[1]) * per_mode * static_cast<int64_t>(sizeof(XChunk)) + 64;
+  int modes[NMODES], nmodes = 0;  // the modes needed, in order; xq[m]: mode m's chunks
+  for (int m = 0; m < NMODES; ++m)
+    if (need[m]) modes[nmodes++] = m;
+  const int64_t bytes = nmodes * per_mode * static_cast<int64_t>(sizeof(XChunk)) + 64;
   static thread_local std::vector<uint8_t> keep;
   std::vector<uint8_t> once;
   std::vector<uint8_t>& buf = bytes <= XQ_KEEP ? keep : once;
   if (static_cast<int64_t>(buf.size()) < bytes) buf.resize(bytes);
   XChunk* base = reinterpret_cast<XChunk*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) / 64 * 64);
-  XChunk* xq[2] = {base, base + (need[0] ? per_mode : 0)};
+  XChunk* xq[NMODES] = {};
+  for (int k = 0; k < nmodes; ++k) xq[modes[k]] = base + k * per_mode;
   // Work items: runs of consecutive panels of one job (~8 runs per thread over the whole call).
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
   const int64_t run = std::max<int64_t>(1, panels / (8 * nt));
@@ -532,17 +616,17 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
     for (int64_t p0 = 0; p0 < jobs[i].npanels; p0 += run)
       items.push_back({i, p0, std::min(jobs[i].npanels, p0 + run)});
   const int64_t nitems = static_cast<int64_t>(items.size());
-  const int64_t nq = (need[0] + need[1]) * per_mode;
+  const int64_t nq = nmodes * per_mode;
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < nq; ++it) {
-      const int mode = need[0] && it < per_mode ? KQ : B32;
-      const int64_t ct = need[0] && it >= per_mode ? it - per_mode : it;  // chunk-major: c * T + t
+      const int mode = modes[it / per_mode];
+      const int64_t ct = it % per_mode;  // chunk-major: c * T + t
       const int64_t c0 = ct / T * CHUNK, t = ct % T;
       const int n = static_cast<int>(std::min<int64_t>(CHUNK, K - c0));
-      if (mode == KQ)
-        quantize_chunk<KQ>(x + t * K + c0, n, xq[KQ][ct]);
+      if (mode == KL)
+        quantize_chunk<KL>(x + t * K + c0, n, xq[KL][ct]);
       else
         quantize_chunk<B32>(x + t * K + c0, n, xq[B32][ct]);
     }
@@ -567,8 +651,8 @@ inline void quantize_rows(const float* x, int64_t T, int64_t K, int mode, XChunk
   for (int64_t ct = 0; ct < nchunks * T; ++ct) {
     const int64_t c0 = ct / T * CHUNK, t = ct % T;
     const int n = static_cast<int>(std::min<int64_t>(CHUNK, K - c0));
-    if (mode == KQ)
-      quantize_chunk<KQ>(x + t * K + c0, n, out[ct]);
+    if (mode == KL)
+      quantize_chunk<KL>(x + t * K + c0, n, out[ct]);
     else
       quantize_chunk<B32>(x + t * K + c0, n, out[ct]);
   }

@@ -80,7 +80,7 @@ def slice_rows(mod: nn.Module, a: int, b: int) -> nn.Module:
 
     if isinstance(mod, GGMLLinear):
         bias = mod.bias[a:b].clone() if mod.bias is not None else None
-        return GGMLLinear(mod.qtype, mod.raw[a:b].clone(), mod.in_features, bias, activations=mod.activations)
+        return GGMLLinear(mod.qtype, mod.ggml_raw()[a:b].clone(), mod.in_features, bias, activations=mod.activations)
     if isinstance(mod, nn.Linear):
         w = mod.weight
         out = Linear(w.shape[1], b - a, bias=mod.bias is not None, device=w.device, dtype=w.dtype)
@@ -105,7 +105,7 @@ def slice_cols(mod: nn.Module, a: int, b: int, keep_bias: bool) -> nn.Module:
                 f"cannot split {mod.qtype.name} weights at column {a}..{b} (blocks of {bs}); "
                 "load with --dtype bfloat16 for this --tensor-parallel"
             )
-        raw = mod.raw[:, a // bs * ts : b // bs * ts].contiguous()
+        raw = mod.ggml_raw()[:, a // bs * ts : b // bs * ts].contiguous()
         bias = mod.bias.clone() if keep_bias and mod.bias is not None else None
         return GGMLLinear(mod.qtype, raw, b - a, bias, activations=mod.activations)
     if isinstance(mod, nn.Linear):

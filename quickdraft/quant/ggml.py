@@ -123,6 +123,60 @@ _DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DEQUANT)
 
 
+# --------------------------------------------------------------------------------------------
+# The lane layout of Q4_K and Q6_K (the q8 kernels' own; see LANES in kernels/ggml_q8.h): the same
+# values moved within each block so that lane j of every 32-byte vector holds 4 values of 32-group
+# j. GGMLLinear repacks into it on the first q8 kernel call and back for everything else.
+# --------------------------------------------------------------------------------------------
+
+LANE_TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q6_K)
+LANES_ID = 1000  # the kernels' id of a lane layout: GGML type id + LANES_ID
+
+
+def _lane_parts(qtype: GGMLQuantizationType) -> list[tuple[list[int], list[int], list[int], list[int], int]]:
+    """Per bit field of the 256 values: (GGML byte, GGML shift, lanes byte, lanes shift, mask)."""
+    lane_b, lane_v = [], []
+    for e in range(256):
+        j, t = divmod(e, 32)
+        lane_v.append(t // 4)
+        lane_b.append(4 * j + t % 4)
+    if qtype == Q.Q4_K:
+        nat = [(16 + 32 * (e // 64) + e % 32, 4 * (e % 64 >= 32)) for e in range(256)]
+        lanes = [(16 + 32 * (v // 2) + b, 4 * (v % 2)) for v, b in zip(lane_v, lane_b, strict=True)]
+        return [([n[0] for n in nat], [n[1] for n in nat], [x[0] for x in lanes], [x[1] for x in lanes], 0x0F)]
+    lo = [(64 * (e // 128) + e % 64, 4 * (e % 128 >= 64)) for e in range(256)]
+    hi = [(128 + 32 * (e // 128) + e % 32, 2 * (e % 128 // 32)) for e in range(256)]
+    lane_lo = [(32 * (v // 2) + b, 4 * (v % 2)) for v, b in zip(lane_v, lane_b, strict=True)]
+    lane_hi = [(128 + 32 * (v // 4) + b, 2 * (v % 4)) for v, b in zip(lane_v, lane_b, strict=True)]
+    return [
+        ([x[0] for x in lo], [x[1] for x in lo], [x[0] for x in lane_lo], [x[1] for x in lane_lo], 0x0F),
+        ([x[0] for x in hi], [x[1] for x in hi], [x[0] for x in lane_hi], [x[1] for x in lane_hi], 0x03),
+    ]
+
+
+def repack_lanes_reference(
+    qtype: GGMLQuantizationType | int, raw: torch.Tensor, to_lanes: bool
+) -> torch.Tensor:
+    """A copy of Q4_K / Q6_K blocks in the lane layout (``to_lanes``) or back in GGML's (torch ops)."""
+    qt = _qtype(qtype)
+    if qt not in LANE_TYPES:
+        raise ValueError(f"only Q4_K and Q6_K have a lane layout, not {qt.name}")
+    ts = GGML_QUANT_SIZES[qt][1]
+    blocks = raw.reshape(-1, ts)
+    q0, q1 = (16, 144) if qt == Q.Q4_K else (0, 192)  # the bytes the values live in
+    packed = torch.zeros(blocks.shape[0], ts, dtype=torch.int32, device=raw.device)
+    dev = raw.device
+    for nat_b, nat_s, lane_b, lane_s, mask in _lane_parts(qt):
+        src_b, src_s, dst_b, dst_s = (nat_b, nat_s, lane_b, lane_s) if to_lanes else (lane_b, lane_s, nat_b, nat_s)
+        vals = (blocks[:, torch.tensor(src_b, device=dev)].to(torch.int32)
+                >> torch.tensor(src_s, dtype=torch.int32, device=dev)) & mask
+        vals = vals << torch.tensor(dst_s, dtype=torch.int32, device=dev)
+        packed.scatter_add_(1, torch.tensor(dst_b, device=dev).expand_as(vals), vals)  # disjoint bits
+    out = blocks.clone()
+    out[:, q0:q1] = packed[:, q0:q1].to(torch.uint8)
+    return out.reshape(raw.shape)
+
+
 def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
     qt = GGMLQuantizationType(int(qtype))
     if qt not in _DEQUANT:
@@ -371,6 +425,7 @@ class GGMLLinear(nn.Module):
         self._ref_weight: torch.Tensor | None = None
         self._cache_ref = False
         self._act_block = activation_block_size(self.qtype)
+        self._lanes = False  # raw holds the lane layout (Q4_K / Q6_K after a q8 kernel call)
 
     def extra_repr(self) -> str:
         return (
@@ -394,18 +449,40 @@ class GGMLLinear(nn.Module):
         if not enabled:
             self._ref_weight = None
 
+    def _repack(self, raw: torch.Tensor, to_lanes: bool) -> torch.Tensor:
+        mod = _active_kernels()
+        if mod is not None and raw.is_cpu:
+            return mod.repack_lanes(self._qt, raw, self.in_features, to_lanes)
+        return repack_lanes_reference(self.qtype, raw, to_lanes)
+
+    def _set_layout(self, lanes: bool) -> int:
+        """Puts raw in the lane layout (q8 kernels) or the GGML one; returns the kernels' type id."""
+        if self.qtype not in LANE_TYPES:
+            return self._qt
+        if self._lanes != lanes:
+            self.raw = self._repack(self.raw, lanes)
+            self._lanes = lanes
+        return self._qt + LANES_ID if lanes else self._qt
+
+    def ggml_raw(self) -> torch.Tensor:
+        """The weight's blocks in the GGML layout (raw itself, or a copy when raw holds lanes)."""
+        return self._repack(self.raw, False) if self._lanes else self.raw
+
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [out_features, in_features], bit-exact to gguf's dequantization."""
         mod = _active_kernels()
-        if mod is not None and self.raw.device.type == "cpu":
-            return mod.dequantize(int(self.qtype), self.raw, self.in_features)
-        return dequantize_reference(self.qtype, self.raw, self.in_features)
+        raw = self.ggml_raw()
+        if mod is not None and raw.device.type == "cpu":
+            return mod.dequantize(self._qt, raw, self.in_features)
+        return dequantize_reference(self.qtype, raw, self.in_features)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized: [*ids.shape, in_features] float32."""
         rows = self.raw.index_select(
             0, ids.reshape(-1).to(device=self.raw.device, dtype=torch.long)
         )
+        if self._lanes:
+            rows = self._repack(rows, False)
         mod = _active_kernels()
         if mod is not None and rows.device.type == "cpu":
             out = mod.dequantize(int(self.qtype), rows, self.in_features)
@@ -420,16 +497,18 @@ class GGMLLinear(nn.Module):
             if x.dtype != torch.float32:
                 x = x.float()
             fn = mod.linear_q8 if q8 else mod.linear
+            qt = self._set_layout(q8)
             if x.dim() == 2:  # the decode / verify fast path: [T, K] -> [T, N]
-                return fn(self._qt, self.raw, x.contiguous(), self.in_features, self.bias)
+                return fn(qt, self.raw, x.contiguous(), self.in_features, self.bias)
             y = fn(
-                self._qt,
+                qt,
                 self.raw,
                 x.reshape(-1, self.in_features).contiguous(),
                 self.in_features,
                 self.bias,
             )
             return y.reshape(*x.shape[:-1], self.out_features)
+        self._set_layout(False)
         x2 = x.reshape(-1, self.in_features).float()
         if q8:
             x2 = q8_activations_reference(x2, self._act_block)
@@ -479,7 +558,8 @@ def ggml_linear_multi(modules: Sequence[nn.Module], x: torch.Tensor) -> list[tor
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32:
         x2 = x2.float()
-    ys = mod.linear_multi(x2.contiguous(), [(m._qt, m.raw, m.in_features, m.bias) for m in lins])
+    specs = [(m._set_layout(True), m.raw, m.in_features, m.bias) for m in lins]
+    ys = mod.linear_multi(x2.contiguous(), specs)
     if x.dim() == 2:
         return list(ys)
     return [y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(ys, lins, strict=True)]
