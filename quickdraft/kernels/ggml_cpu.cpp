@@ -51,6 +51,7 @@
 
 #include "ggml_cpu.h"
 #include "ggml_q8.h"
+#include "ops_api.h"
 
 namespace {
 
@@ -157,7 +158,7 @@ std::string set_isa(const std::string& name) {
   return prev;
 }
 
-using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
+using WeightSpec = qd_api::WeightSpec;
 
 // y_i = x @ dequant(W_i).T (+ b_i) for several weights sharing x, with x quantized to int8 once per
 // mode and all panels of all weights computed in one parallel region.
@@ -260,7 +261,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
 
 }  // namespace
 
-void register_ops(pybind11::module& m);  // ops_cpu.cpp: fused RMSNorm and RoPE
+std::vector<torch::Tensor> qd_api::linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights) {
+  return ::linear_multi(x, weights, 0);
+}
+
+void register_ops(pybind11::module& m);     // ops_cpu.cpp: fused RMSNorm, RoPE, attention
+void register_decode(pybind11::module& m);  // decode_cpu.cpp: a whole decoder stack per call
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The fused and scratch paths must feed each accumulator in the same order (batch invariance).
@@ -289,6 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(q int8 [T, K], d float32 [T, K/bs], sums): x quantized per block of bs = 256 or 32",
         pybind11::arg("x"), pybind11::arg("block_size"));
   register_ops(m);
+  register_decode(m);
   m.def("isa", &isa, "the instruction set of the q8 GEMM in use: 'avx2' or 'avx512vnni'");
   m.def("set_isa", &set_isa, "select the q8 GEMM build ('auto', 'avx2', 'avx512vnni'); returns the previous",
         pybind11::arg("name"));

@@ -17,6 +17,8 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#include "ops_api.h"
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -286,6 +288,20 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
 }
 
 }  // namespace
+
+torch::Tensor qd_api::rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return ::rms_norm(x, w, eps);
+}
+torch::Tensor qd_api::rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                           const torch::Tensor& positions) {
+  return ::rope(x, cos, sin, positions);
+}
+torch::Tensor qd_api::attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                             int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
+                             const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
+                             const c10::optional<torch::Tensor>& v_new) {
+  return ::attend(q, k, v, start, window, scale, slots, offsets, k_new, v_new);
+}
 
 void register_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row (fp32)", pybind11::arg("x"),

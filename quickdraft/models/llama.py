@@ -15,7 +15,8 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import DecoderLayer, Linear, RMSNorm, Rope, Step, causal_mask
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, Rope, Step, causal_mask
+from quickdraft.models.native import NativeStack
 
 
 class _Backbone(nn.Module):
@@ -45,6 +46,7 @@ class CausalLM(nn.Module):
         self.model: Any = self.backbone(cfg, max_len)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self._native = NativeStack()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -92,13 +94,18 @@ class CausalLM(nn.Module):
             mask = causal_mask(start, t, device)
         step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
         x = self.embed(ids)  # [T, H]
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            if i in capture:
+        stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS else None
+        if stack is not None:  # every layer in one native call: bitwise the loop below
+            slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
+            x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))
+        else:
+            captured = []
+            for i, layer in enumerate(self.model.layers):
+                if i in capture:
+                    captured.append(x)
+                x = layer(x, i, step)
+            if len(self.model.layers) in capture:
                 captured.append(x)
-            x = layer(x, i, step)
-        if len(self.model.layers) in capture:
-            captured.append(x)
         cache.advance(t)
         if num_logits is not None:
             x = x[-num_logits:]

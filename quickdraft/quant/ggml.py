@@ -267,6 +267,19 @@ def _env_activation_mode() -> str:
 
 
 _default_mode: str | None = None  # resolved from QUICKDRAFT_ACTIVATIONS on first use
+_epoch = 0  # bumped whenever a layer's weight tensor, layout or mode may have changed
+
+
+def layout_epoch() -> int:
+    """A counter that changes whenever any GGMLLinear's weight tensor, layout or activation mode
+    (or the process default, or the path) may have changed: holders of raw tensors (the native
+    decoder stack) rebuild when it moves."""
+    return _epoch
+
+
+def _bump_epoch() -> None:
+    global _epoch
+    _epoch += 1
 
 
 def default_activation_mode() -> str:
@@ -281,6 +294,7 @@ def set_default_activation_mode(mode: str | None) -> None:
     """Set the process-wide default mode ("q8" or "f32"); None re-reads QUICKDRAFT_ACTIVATIONS."""
     global _default_mode
     _default_mode = None if mode is None else _check_mode(mode)
+    _bump_epoch()
     if mode is None:
         default_activation_mode()
 
@@ -330,7 +344,8 @@ _env_reference = _kernels.disabled_by_env()
 def set_reference_mode(enabled: bool | None) -> None:
     """Force the pure-PyTorch reference path (True), the kernels where they build (False), or
     follow ``QUICKDRAFT_KERNELS`` again (None; re-reads the environment variable)."""
-    global _forced, _env_reference
+    global _forced
+    _bump_epoch(), _env_reference
     _forced = None if enabled is None else bool(enabled)
     if enabled is None:
         _env_reference = _kernels.disabled_by_env()
@@ -395,7 +410,7 @@ class GGMLLinear(nn.Module):
         activations: str | None = None,
     ) -> None:
         super().__init__()
-        self.activations = None if activations is None else _check_mode(activations)
+        self._activations = None if activations is None else _check_mode(activations)
         self.qtype = _qtype(qtype)
         self._qt = int(self.qtype)
         bs, ts = GGML_QUANT_SIZES[self.qtype]
@@ -426,6 +441,20 @@ class GGMLLinear(nn.Module):
         self._cache_ref = False
         self._act_block = activation_block_size(self.qtype)
         self._lanes = False  # raw holds the lane layout (Q4_K / Q6_K after a q8 kernel call)
+
+    @property
+    def activations(self) -> str | None:
+        """This layer's own activation mode ("q8", "f32"), or None: the process default."""
+        return self._activations
+
+    @activations.setter
+    def activations(self, mode: str | None) -> None:
+        self._activations = None if mode is None else _check_mode(mode)
+        _bump_epoch()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (.to(), .cuda(), ...: new tensors)
+        _bump_epoch()
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (
@@ -462,6 +491,7 @@ class GGMLLinear(nn.Module):
         if self._lanes != lanes:
             self.raw = self._repack(self.raw, lanes)
             self._lanes = lanes
+            _bump_epoch()
         return self._qt + LANES_ID if lanes else self._qt
 
     def ggml_raw(self) -> torch.Tensor:

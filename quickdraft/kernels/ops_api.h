@@ -1,0 +1,27 @@
+// The native functions one translation unit of the extension calls in another (decode_cpu.cpp runs
+// a whole decoder stack with the GEMMs of ggml_cpu.cpp and the ops of ops_cpu.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+namespace qd_api {
+
+// (kernel type id, raw blocks [N, row_bytes], in_features, bias [N] or None)
+using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
+
+// ggml_cpu.cpp: [x @ W_i.T (+ b_i)], q8 activations, one parallel region
+std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights);
+
+// ops_cpu.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                   const torch::Tensor& positions);
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                     int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
+                     const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
+                     const c10::optional<torch::Tensor>& v_new);
+
+}  // namespace qd_api

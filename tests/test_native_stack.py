@@ -1,0 +1,185 @@
+"""The native decoder stack (quickdraft/models/native.py, kernels/decode_cpu.cpp): a whole decode /
+verify pass in one C++ call must give bitwise the Python layers' results (chains, trees, captured
+hidden states, every GGML format incl. the Q4_K / Q6_K lane layouts), and must step aside wherever
+it does not apply (f32 activations, reference path, fp32 weights, other layer types, bigger passes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from tiny import hf_to_gguf, make_tiny_hf_model
+
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.layers import BLOCKED_MAX_ROWS
+from quickdraft.models.llama import CausalLM
+from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
+
+Q = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not kernels_active(), reason="the native kernels are not built on this machine")
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+MIXED = dict(zip((f"{n}.weight" for n in LINEARS), ("Q8_0", "Q4_0", "Q5_0", "Q8_0", "Q4_0", "Q8_0", "Q5_0"), strict=True))
+
+
+def quantized_tiny(root: Path, model_type: str, **overrides) -> LoadedModel:  # noqa: ANN003
+    """A tiny random model converted to GGUF with its layer linears in 32-block formats."""
+    folder = make_tiny_hf_model(root, model_type, seed=5, name=f"{model_type}-native", **overrides)
+    path = hf_to_gguf(folder, root / f"{model_type}-native.gguf", MIXED)
+    return load_model(str(path), dtype="auto", max_context=256)  # auto: GGUF blocks stay blocks
+
+
+def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random valid blocks (random bytes, small finite fp16 scales)."""
+    rng = np.random.default_rng(seed)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n * k // bs, ts), dtype=np.uint8)
+    offs = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}[qtype]
+    for off in offs:
+        raw[:, off : off + 2] = (rng.standard_normal((raw.shape[0], 1)) * 0.002).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def k_quant_tiny(root: Path) -> CausalLM:
+    """A hidden-256 model whose layer linears are random Q4_K / Q6_K / Q8_0 blocks (the lane
+    layouts of the q8 GEMM), built in memory: gguf-py cannot write K-quants."""
+    folder = make_tiny_hf_model(root, "qwen2", seed=9, name="kquant-native", hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    model = load_model(str(folder), dtype="float32", max_context=256).model
+    kinds = [Q.Q4_K, Q.Q6_K, Q.Q8_0]
+    for i, layer in enumerate(model.model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            owner = a if name.endswith("proj") and hasattr(a, name) else mlp
+            old = getattr(owner, name)
+            qt = kinds[(i + j) % 3]
+            setattr(owner, name, GGMLLinear(qt, random_blocks(qt, old.out_features, old.in_features, 10 * i + j),
+                                            old.in_features, bias=old.bias))
+    return model
+
+
+def python_path(model: CausalLM):  # noqa: ANN201 (a context manager)
+    """Runs ``model`` on the Python layers (the native stack switched off) inside the block."""
+
+    class _Off:
+        def __enter__(self) -> None:
+            model._native.get = lambda layers, x: None  # type: ignore[method-assign]
+
+        def __exit__(self, *exc: object) -> None:
+            del model._native.get
+
+    return _Off()
+
+
+def tree_mask(start: int, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [T, start + T], positions [T]) of a draft tree given each node's parent (-1 = root)."""
+    t = len(parents)
+    mask = torch.zeros(t, start + t, dtype=torch.bool)
+    mask[:, :start] = True
+    depth = []
+    for i, p in enumerate(parents):
+        mask[i, start + i] = True
+        if p >= 0:
+            mask[i, start : start + t] |= mask[p, start : start + t]
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return mask, torch.tensor([start - 1 + 1 + d for d in depth])
+
+
+def both_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
+    """(native, python) results of one pass over ``ids`` after ``prompt``: logits, captured, cache."""
+    out = []
+    for native in (True, False):
+        cache = model.new_cache()
+        model(torch.tensor(prompt), cache)
+        if native:
+            logits, captured = model(torch.tensor(ids), cache, **kw)
+            assert model._native._stack is not None  # the pass ran natively
+        else:
+            with python_path(model):
+                logits, captured = model(torch.tensor(ids), cache, **kw)
+        out.append((logits, captured, cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()))
+    return out
+
+
+def assert_same(a, b) -> None:  # noqa: ANN001
+    logits_a, cap_a, k_a, v_a = a
+    logits_b, cap_b, k_b, v_b = b
+    assert torch.equal(logits_a, logits_b)
+    assert len(cap_a) == len(cap_b) and all(torch.equal(x, y) for x, y in zip(cap_a, cap_b, strict=True))
+    assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("native")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def quantized(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+    return quantized_tiny(root, request.param)
+
+
+PROMPT = [5, 17, 42, 99, 3, 150, 7, 8, 60, 61, 62, 200]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33])
+def test_chain_rows_bitwise_equal_python(quantized: LoadedModel, rows: int) -> None:
+    model = quantized.model
+    with torch.inference_mode():  # (as in forward)
+        assert model._native.get(model.model.layers, torch.zeros(1, 1)) is not None  # it applies here
+    ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
+    native, python = both_paths(model, PROMPT, ids, capture=[0, 1, 2])
+    assert_same(native, python)
+    assert len(native[1]) == 3  # input of layer 0, of layer 1, and the last layer's output
+
+
+def test_tree_rows_bitwise_equal_python(quantized: LoadedModel) -> None:
+    model = quantized.model
+    mask, pos = tree_mask(len(PROMPT), [-1, 0, 0, 1, 1, 2, 5])
+    native, python = both_paths(model, PROMPT, [9, 30, 31, 40, 41, 50, 60], mask=mask, positions=pos, capture=[1])
+    assert_same(native, python)
+
+
+def test_k_quant_lanes_stack_bitwise_equal_python(root: Path) -> None:
+    model = k_quant_tiny(root)
+    for rows in (1, 4, 8):
+        ids = [(7 * i + 3) % 250 + 3 for i in range(rows)]
+        assert_same(*both_paths(model, PROMPT, ids, capture=[3]))
+    assert all(m._lanes for m in model.modules() if isinstance(m, GGMLLinear) and m.qtype in (Q.Q4_K, Q.Q6_K))
+    mask, pos = tree_mask(len(PROMPT), [-1, 0, 1, 0])
+    assert_same(*both_paths(model, PROMPT, [9, 30, 31, 40], mask=mask, positions=pos))
+
+
+def test_stack_steps_aside_where_it_does_not_apply(quantized: LoadedModel, root: Path) -> None:
+    model = quantized.model
+    layers, x = model.model.layers, torch.zeros(1, 1)
+    get = torch.inference_mode()(model._native.get)  # as forward calls it
+    stack = get(layers, x)
+    assert stack is not None and stack.num_layers() == len(layers)
+    assert get(layers, x) is stack  # cached while nothing changes
+    assert get(layers, x.double()) is None
+    assert model._native.get(layers, x) is None  # autograd on: the differentiable Python layers
+    with reference_mode():
+        assert get(layers, x) is None
+    # f32 activations: the Python layers run (and give what they gave before); back to q8: rebuilt
+    ids = [4, 5, 6]
+    set_activation_mode(model, "f32")
+    try:
+        assert get(layers, x) is None
+    finally:
+        set_activation_mode(model, None)
+    rebuilt = get(layers, x)
+    assert rebuilt is not None and rebuilt is not stack
+    assert_same(*both_paths(model, PROMPT, ids))
+    # long passes (prefills) run the Python layers, whose output is the same function
+    long = list(range(3, 3 + BLOCKED_MAX_ROWS + 1))
+    cache = model.new_cache()
+    model(torch.tensor(long), cache)  # no error, no stack call needed
+    # fp32 weights (no GGML blocks) and other layer types: no stack
+    fp32 = load_model(str(make_tiny_hf_model(root, "llama", seed=5, name="fp32-native")), dtype="float32").model
+    assert torch.inference_mode()(fp32._native.get)(fp32.model.layers, x) is None
+    gemma = load_model(str(make_tiny_hf_model(root, "gemma3_text", seed=5, name="gemma-native")), dtype="float32").model
+    assert torch.inference_mode()(gemma._native.get)(gemma.model.layers, x) is None
