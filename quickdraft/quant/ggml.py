@@ -344,8 +344,8 @@ _env_reference = _kernels.disabled_by_env()
 def set_reference_mode(enabled: bool | None) -> None:
     """Force the pure-PyTorch reference path (True), the kernels where they build (False), or
     follow ``QUICKDRAFT_KERNELS`` again (None; re-reads the environment variable)."""
-    global _forced
-    _bump_epoch(), _env_reference
+    global _forced, _env_reference
+    _bump_epoch()
     _forced = None if enabled is None else bool(enabled)
     if enabled is None:
         _env_reference = _kernels.disabled_by_env()
