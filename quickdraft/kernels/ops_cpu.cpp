@@ -127,6 +127,107 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Query heads per pass over a kv head's keys / values (registers: KEYS x HEADS score chains,
+// HEADS x 2 output vectors, within AVX2's 16).
+#define UNROLL _Pragma("GCC unroll 8")
+constexpr int HEADS = 6;
+constexpr int KEYS = 2;
+
+// Scores of keys idx[j0 .. j0 + NK) for NH heads: ps[g][j] = (q_g . k_j) * sc, each (head, key) one
+// chain of FMAs over D from zero then hsum8, whatever heads and keys share the pass.
+template <int NH, int NK>
+inline void scores(const float* const* qr, const float* kb, int64_t ks1, const int64_t* idx, int64_t j0, int64_t nv,
+                   float sc, float* const* ps) {
+  const float* kr[NK];
+  __m256 a[NK][NH];
+  UNROLL for (int u = 0; u < NK; ++u) {
+    kr[u] = kb + idx[j0 + u] * ks1;
+    UNROLL for (int g = 0; g < NH; ++g) a[u][g] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < nv; ++c) {
+    __m256 kv[NK];
+    UNROLL for (int u = 0; u < NK; ++u) kv[u] = _mm256_loadu_ps(kr[u] + 8 * c);
+    UNROLL for (int g = 0; g < NH; ++g) {
+      const __m256 qv = _mm256_loadu_ps(qr[g] + 8 * c);
+      UNROLL for (int u = 0; u < NK; ++u) a[u][g] = _mm256_fmadd_ps(qv, kv[u], a[u][g]);
+    }
+  }
+  UNROLL for (int u = 0; u < NK; ++u)
+    UNROLL for (int g = 0; g < NH; ++g) ps[g][j0 + u] = hsum8(a[u][g]) * sc;
+}
+
+// y_g[8c .. 8c + 8 NC) = (sum_j p_g[j] v_j[..]) * inv_g, j in slot order from zero, for NH heads.
+template <int NH, int NC>
+inline void weighted_values(const float* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
+                            float* const* ps, const float* inv, float* const* y) {
+  __m256 acc[NH][NC];
+  UNROLL for (int g = 0; g < NH; ++g)
+    UNROLL for (int e = 0; e < NC; ++e) acc[g][e] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = vb + idx[j] * vs1 + 8 * c;
+    __m256 vv[NC];
+    UNROLL for (int e = 0; e < NC; ++e) vv[e] = _mm256_loadu_ps(vr + 8 * e);
+    UNROLL for (int g = 0; g < NH; ++g) {
+      const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
+      UNROLL for (int e = 0; e < NC; ++e) acc[g][e] = _mm256_fmadd_ps(pj, vv[e], acc[g][e]);
+    }
+  }
+  UNROLL for (int g = 0; g < NH; ++g)
+    UNROLL for (int e = 0; e < NC; ++e) _mm256_storeu_ps(y[g] + 8 * (c + e), _mm256_mul_ps(acc[g][e], _mm256_set1_ps(inv[g])));
+}
+
+// softmax(p) in place (p_j = exp(s_j - max), summed in a fixed order: 8 lanes, then the lanes, then
+// the tail); returns 1 / sum.
+inline float softmax_inplace(float* p, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t jj = 0; jj < n; ++jj) m = std::max(m, p[jj]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum8(sum8);
+  if (j < n) {
+    alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t r = j; r < n; ++r) tail[r - j] = p[r] - m;
+    _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+    for (int64_t r = j; r < n; ++r) {
+      p[r] = tail[r - j];
+      sum += p[r];
+    }
+  }
+  return 1.0f / sum;
+}
+
+template <int NH>
+void attend_heads_n(const float* const* qr, const float* kb, int64_t ks1, const float* vb, int64_t vs1,
+                    const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y) {
+  int64_t j0 = 0;
+  for (; j0 + KEYS <= n; j0 += KEYS) scores<NH, KEYS>(qr, kb, ks1, idx, j0, nv, sc, ps);
+  for (; j0 < n; ++j0) scores<NH, 1>(qr, kb, ks1, idx, j0, nv, sc, ps);
+  float inv[NH];
+  UNROLL for (int g = 0; g < NH; ++g) inv[g] = softmax_inplace(ps[g], n);
+  int64_t c = 0;
+  for (; c + 2 <= nv; c += 2) weighted_values<NH, 2>(vb, vs1, idx, n, c, ps, inv, y);
+  if (c < nv) weighted_values<NH, 1>(vb, vs1, idx, n, c, ps, inv, y);
+}
+
+// Attention of nh (<= HEADS) query heads of one row over the n slots idx of their kv head.
+inline void attend_heads(int nh, const float* const* qr, const float* kb, int64_t ks1, const float* vb, int64_t vs1,
+                         const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y) {
+  switch (nh) {
+    case 1: attend_heads_n<1>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+    case 2: attend_heads_n<2>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+    case 3: attend_heads_n<3>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+    case 4: attend_heads_n<4>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+    case 5: attend_heads_n<5>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+    default: attend_heads_n<6>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+  }
+}
+
 // q [Hq, T, D] (unit last stride), k/v [Hkv, >= end, D] (unit last stride; views of the cache),
 // chain rows: row i sees slots lo_i .. start + i (lo_i = 0, or the last `window` slots);
 // tree rows (slots defined): row i sees slots[offsets[i] .. offsets[i+1]) in that order.
@@ -188,9 +289,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), group = Hq / Hkv, nv = D / 8;
   const float sc = static_cast<float>(scale);
-  const int64_t work = T * Hq;
+  // one work item per (row, kv head): the group's query heads share every key and value load
+  const int64_t work = T * Hkv;
   // threads only when there is enough work to pay for waking them
-  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, work * S / 1024)));
+  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, work * group * S / 1024)));
   pybind11::gil_scoped_release nogil;
 #pragma omp parallel num_threads(nt)
   {
@@ -198,7 +300,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     std::vector<int64_t> idx;
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
-      const int64_t i = w / Hq, h = w % Hq, kh = h / group;
+      const int64_t i = w / Hkv, kh = w % Hkv;
       // the slots row i sees, in slot order
       idx.clear();
       if (tree) {
@@ -209,78 +311,22 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
         for (int64_t j = lo; j < end; ++j) idx.push_back(j);
       }
       const int64_t n = static_cast<int64_t>(idx.size());
-      float* y = yp + i * Hq * D + h * D;
-      if (n == 0) {
-        std::fill(y, y + D, 0.0f);
-        continue;
-      }
-      p.resize(n + 8);
-      const float* qr = qp + h * qs0 + i * qs1;
-      const float* kb = kp + kh * ks0;
-      // scores, 8 keys at a time (independent FMA chains); each key's own chain over D is the
-      // same whatever group it falls in
-      int64_t j0 = 0;
-      for (; j0 + 8 <= n; j0 += 8) {
-        const float* kr[8];
-        __m256 a[8];
-        for (int u = 0; u < 8; ++u) {
-          kr[u] = kb + idx[j0 + u] * ks1;
-          a[u] = _mm256_setzero_ps();
+      for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += HEADS) {
+        const int nh = static_cast<int>(std::min<int64_t>(HEADS, (kh + 1) * group - h0));
+        if (n == 0) {
+          for (int g = 0; g < nh; ++g) std::fill(yp + i * Hq * D + (h0 + g) * D, yp + i * Hq * D + (h0 + g + 1) * D, 0.0f);
+          continue;
         }
-        for (int64_t c = 0; c < nv; ++c) {
-          const __m256 qv = _mm256_loadu_ps(qr + 8 * c);
-          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + 8 * c), a[u]);
+        p.resize(HEADS * (n + 8));
+        const float* qr[HEADS];
+        float* ps[HEADS];
+        float* y[HEADS];
+        for (int g = 0; g < nh; ++g) {
+          qr[g] = qp + (h0 + g) * qs0 + i * qs1;
+          ps[g] = p.data() + g * (n + 8);
+          y[g] = yp + i * Hq * D + (h0 + g) * D;
         }
-        for (int u = 0; u < 8; ++u) p[j0 + u] = hsum8(a[u]) * sc;
-      }
-      for (; j0 < n; ++j0) {
-        const float* kr = kb + idx[j0] * ks1;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nv; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
-        p[j0] = hsum8(acc) * sc;
-      }
-      float m = -INFINITY;
-      for (int64_t jj = 0; jj < n; ++jj) m = std::max(m, p[jj]);
-      // p_j = exp(s_j - m), summed in a fixed order (8 lanes, then the lanes, then the tail)
-      const __m256 mv = _mm256_set1_ps(m);
-      __m256 sum8 = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), mv));
-        _mm256_storeu_ps(p.data() + j, e);
-        sum8 = _mm256_add_ps(sum8, e);
-      }
-      float sum = hsum8(sum8);
-      if (j < n) {
-        alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t r = j; r < n; ++r) tail[r - j] = p[r] - m;
-        _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
-        for (int64_t r = j; r < n; ++r) {
-          p[r] = tail[r - j];
-          sum += p[r];
-        }
-      }
-      const float inv = 1.0f / sum;
-      const float* vb = vp + kh * vs0;
-      // out[c] = sum_j p_j v_j[c], j in slot order, 8 lane groups of D at a time in registers
-      for (int64_t c0 = 0; c0 < nv; c0 += 8) {
-        const int64_t nc = std::min<int64_t>(8, nv - c0);
-        __m256 acc[8];
-        for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-        if (nc == 8) {
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const __m256 pj = _mm256_set1_ps(p[jj]);
-            const float* vr = vb + idx[jj] * vs1 + 8 * c0;
-            for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-          }
-        } else {
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const __m256 pj = _mm256_set1_ps(p[jj]);
-            const float* vr = vb + idx[jj] * vs1 + 8 * c0;
-            for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-          }
-        }
-        for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(y + 8 * (c0 + c), _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+        attend_heads(nh, qr, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx.data(), n, nv, sc, ps, y);
       }
     }
   }
