@@ -19,7 +19,7 @@ from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.factory import SpecConfig, build_drafter
+from quickdraft.spec.factory import DEFAULT_DRAFT_VOCAB, SpecConfig, build_drafter
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]
@@ -58,13 +58,17 @@ class LLM:
         tensor_parallel: int = 1,
         log: Callable[[str], None] = lambda _msg: None,
         canary: bool = True,
+        draft_vocab: int | None = None,
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
         .safetensors; ``canary=False`` skips its load-time check). ``num_draft``: fixed k, or None = auto.
-        ``tensor_parallel``: split the target over this many processes (see quickdraft.parallel)."""
+        ``draft_vocab``: a draft model's logits cover this many token ids (+ special tokens; None = the
+        default 32768, 0 = all). ``tensor_parallel``: split the target over this many processes (see
+        quickdraft.parallel)."""
         self.threads = configure_threads(threads)
-        spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary)  # validate before loading anything
+        spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
+                          draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab)
         if tensor_parallel < 1:
             raise QuickdraftError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
         if tensor_parallel > 1:  # ranks share the cores; under torchrun, ranks > 0 stay in here

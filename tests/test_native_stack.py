@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not kernels_active(), reason="the native kernels
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 MIXED = dict(zip((f"{n}.weight" for n in LINEARS), ("Q8_0", "Q4_0", "Q5_0", "Q8_0", "Q4_0", "Q8_0", "Q5_0"), strict=True))
+MIXED["output.weight"] = "Q8_0"
 
 
 def quantized_tiny(root: Path, model_type: str, **overrides) -> LoadedModel:  # noqa: ANN003
@@ -183,3 +184,18 @@ def test_stack_steps_aside_where_it_does_not_apply(quantized: LoadedModel, root:
     assert torch.inference_mode()(fp32._native.get)(fp32.model.layers, x) is None
     gemma = load_model(str(make_tiny_hf_model(root, "gemma3_text", seed=5, name="gemma-native")), dtype="float32").model
     assert torch.inference_mode()(gemma._native.get)(gemma.model.layers, x) is None
+
+
+def test_cut_output_vocabulary_of_a_quantized_head(quantized: LoadedModel) -> None:
+    """set_output_vocab on GGML blocks: the kept rows' logits are bitwise the full head's."""
+    model = quantized.model
+    assert isinstance(model.lm_head, GGMLLinear)
+    full = both_paths(model, PROMPT, [3, 4])[0][0]
+    ids = torch.tensor([0, 1, 2, 7, 50, 51, 299])
+    assert model.set_output_vocab(ids)
+    try:
+        cut = both_paths(model, PROMPT, [3, 4])[0][0]
+    finally:
+        model.set_output_vocab(None)
+    assert torch.equal(cut[:, ids], full[:, ids])
+    assert int(torch.isfinite(cut).sum()) == 2 * ids.numel()

@@ -436,6 +436,47 @@ def test_tiny_draft_model_matches_plain_greedy(tiny: Case, tiny_near: LoadedMode
     assert 0 < run.stats.accepted < run.stats.drafted
 
 
+def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: Path) -> None:
+    """A draft whose head covers only some token ids (--draft-vocab): its logits are the full head's
+    on those ids and -inf elsewhere, it never drafts another id, and greedy output is unchanged
+    (lossless: the target decides), sampled output too for a fixed seed."""
+    from quickdraft.spec.factory import restrict_draft_vocab
+
+    draft = perturbed_copy(tiny_folder, seed=5, scale=0.5)
+    cache = draft.model.new_cache()
+    full, _ = draft.model(torch.tensor(tiny.prompt), cache)
+    assert restrict_draft_vocab(draft, 120)
+    keep = torch.tensor(sorted(set(range(120)) | {i for i in draft.tokenizer.backend.get_added_tokens_decoder()}))
+    cache = draft.model.new_cache()
+    cut, _ = draft.model(torch.tensor(tiny.prompt), cache)
+    assert torch.equal(cut[:, keep], full[:, keep])
+    others = torch.ones(tiny.vocab, dtype=torch.bool)
+    others[keep] = False
+    assert bool(torch.isneginf(cut[:, others]).all())
+    drafter = DraftModelDrafter(draft.model, tiny.vocab)
+    proposed: list[int] = []
+    original = drafter.propose
+
+    def spy(k: int):  # noqa: ANN202
+        d = original(k)
+        proposed.extend(d.tokens.tolist())
+        return d
+
+    drafter.propose = spy  # type: ignore[method-assign]
+    run = tiny.spec(drafter, 4)
+    assert run.ids == tiny.truth and run.stats.drafted > 0
+    assert proposed and all(t < 120 or t in set(keep.tolist()) for t in proposed)
+    sampled = dict(temperature=0.8, seed=3, max_tokens=24)
+    assert tiny.spec(drafter, 3, **sampled).ids == tiny.spec(drafter, 3, **sampled).ids  # deterministic
+    assert draft.model.set_output_vocab(None)
+    cache = draft.model.new_cache()
+    assert torch.equal(draft.model(torch.tensor(tiny.prompt), cache)[0], full)
+    with pytest.raises(ValueError, match="vocabulary ids"):
+        draft.model.set_output_vocab(torch.tensor([0, tiny.vocab]))
+    with pytest.raises(QuickdraftError, match="draft-vocab"):
+        SpecConfig(draft_vocab=10)
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_tiny_target_as_its_own_draft_is_all_accepted(tiny: Case, k: int) -> None:
     """Same weights, its own cache: in fp32 with batch-invariant passes every draft is right."""

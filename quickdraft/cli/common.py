@@ -35,6 +35,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the target's tokenizer (zoo name, .gguf, folder), or an EAGLE-3 head trained for "
                         "the target (folder or .safetensors; drafts trees sized per step, alongside n-gram)")
     g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="a draft model computes logits for the first N token ids (+ special tokens) only: "
+                        "cheaper drafts, output unchanged (default: 32768; 0 = the whole vocabulary)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
@@ -69,7 +72,8 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     say(f"loading {args.model} ...")
     llm = LLM(args.model, draft=args.draft, num_draft=num_draft, dtype=args.dtype,
               max_context=args.max_context, threads=args.threads,
-              tensor_parallel=getattr(args, "tensor_parallel", 1), log=say)
+              tensor_parallel=getattr(args, "tensor_parallel", 1), log=say,
+              draft_vocab=getattr(args, "draft_vocab", None))
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
     return llm
 

@@ -47,6 +47,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self._native = NativeStack()
+        self._vocab_subset: tuple[torch.Tensor, nn.Module] | None = None  # set_output_vocab
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -116,8 +117,43 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(ids)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and output head -> float32 logits [n, V]."""
+        """Final norm and output head -> float32 logits [n, V] (-inf outside an output vocabulary
+        set by :meth:`set_output_vocab`)."""
+        if self._vocab_subset is not None:
+            ids, head = self._vocab_subset
+            sub = head(self.model.norm(x)).float()
+            out = sub.new_full((sub.shape[0], self.config.vocab_size), float("-inf"))
+            return out.index_copy_(1, ids, sub)
         return self.lm_head(self.model.norm(x)).float()
+
+    def set_output_vocab(self, ids: torch.Tensor | None) -> bool:
+        """Compute logits only for token ``ids`` (the rest -inf): a drafter's cheaper output head,
+        e.g. a draft model's most frequent tokens (any draft distribution keeps speculation
+        lossless). None restores the full head. Returns False (and changes nothing) where the
+        model's head cannot be cut this way."""
+        from quickdraft.quant.ggml import GGMLLinear
+
+        if ids is None:
+            self._vocab_subset = None
+            return True
+        if type(self).logits is not CausalLM.logits:  # a family with its own head (e.g. softcapping)
+            return False
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()  # sorted
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"output vocabulary ids must lie in [0, {self.config.vocab_size})")
+        head = self.lm_head
+        sub: nn.Module
+        if isinstance(head, GGMLLinear):
+            rows = head.ggml_raw().index_select(0, ids.to(head.raw.device))
+            sub = GGMLLinear(head.qtype, rows, head.in_features, activations=head.activations)
+        elif type(head) in (Linear, nn.Linear) and head.bias is None:
+            sub = Linear(head.in_features, ids.numel(), bias=False, device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                sub.weight.copy_(head.weight.index_select(0, ids.to(head.weight.device)))
+        else:
+            return False
+        self._vocab_subset = (ids.to(self.device), sub)
+        return True
 
 
 CausalLM.backbone = _Backbone
