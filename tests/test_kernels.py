@@ -514,7 +514,7 @@ def test_lanes_reference_layout_and_roundtrip(qtype):
             v, b = t // 4, 4 * j + t % 4
             want = (int(nat[16 + 32 * (e // 64) + e % 32]) >> (4 * (e % 64 >= 32))) & 15
             assert (int(blk[16 + 32 * (v // 2) + b]) >> (4 * (v % 2))) & 15 == want
-    with pytest.raises(ValueError, match="lane layout"):
+    with pytest.raises(ValueError, match="lane layout covers"):
         repack_lanes_reference(Q.Q8_0, torch.zeros(1, 34, dtype=torch.uint8), True)
 
 
@@ -530,19 +530,19 @@ def test_lanes_kernel_repack_equals_reference(qtype):
     assert mod.lanes_id() == LANES_ID  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="lane layout"):
         mod.linear_q8(int(qtype), raw, torch.randn(2, k), k)  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="lane layout"):
-        mod.repack_lanes(int(Q.Q8_0), torch.zeros(1, 34, dtype=torch.uint8), 32, True)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="no lane layout"):
+        mod.repack_lanes(int(Q.Q2_K), torch.zeros(1, 84, dtype=torch.uint8), 256, True)  # type: ignore[union-attr]
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_lanes_layout_switches_with_the_path(qtype):
     """A q8 kernel call repacks the module's weight into lanes (a copy: the caller's tensor is left
-    alone); dequantize, embedding, the f32 kernels, the reference path and tensor-parallel slices
-    see the GGML values as before."""
+    alone; 32-block formats: super-blocks of 8, the last one padded); dequantize, embedding, the f32
+    kernels, the reference path and tensor-parallel slices see the GGML values as before."""
     from quickdraft.parallel.tp import slice_cols, slice_rows
 
-    n, k = 24, 512
+    n, k = 24, 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 544  # 544 = 2 super-blocks + 1 block
     raw_np = random_raw(qtype, n, k, seed=33)
     raw = torch.from_numpy(raw_np.copy())
     lin = GGMLLinear(qtype, raw, k)
@@ -557,7 +557,9 @@ def test_lanes_layout_switches_with_the_path(qtype):
     for part in (slice_rows(lin, 8, 16), slice_cols(lin, 256, 512, keep_bias=False)):
         assert isinstance(part, GGMLLinear) and not part._lanes
     assert torch.equal(slice_rows(lin, 8, 16).dequantize(), want_w[8:16])
-    assert torch.equal(slice_cols(lin, 256, 512, keep_bias=False).dequantize(), want_w[:, 256:])
+    assert torch.equal(slice_cols(lin, 256, 512, keep_bias=False).dequantize(), want_w[:, 256:512])
+    if GGML_QUANT_SIZES[qtype][0] == 32:
+        assert lin.raw.shape == (n, 3 * 8 * GGML_QUANT_SIZES[qtype][1])  # padded to 3 super-blocks
     set_activation_mode(lin, "f32")
     y_f32 = lin(x)
     assert not lin._lanes and torch.equal(lin.raw, raw)

@@ -175,11 +175,15 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
     g.qtype = qtype;
     g.K = K;
     g.N = raw.size(0);
-    TORCH_CHECK(qtype != T_Q4_K && qtype != T_Q6_K, "the q8 kernels take Q4_K / Q6_K in the lane layout: ",
-                "repack_lanes(raw) and type id ", qtype + q8::LANES_ID);
-    TORCH_CHECK(q8::init_job(g), "quickdraft kernels: unsupported GGML type ", qtype);
-    // a lane layout has its GGML format's block sizes
-    dispatch(qtype >= q8::LANES_ID ? qtype - q8::LANES_ID : qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
+    TORCH_CHECK(qtype >= q8::LANES_ID, "the q8 kernels take weights in the lane layout: repack_lanes(raw) and ",
+                "type id ", qtype + q8::LANES_ID);
+    TORCH_CHECK(q8::init_job(g), "quickdraft kernels: unsupported type id ", qtype);
+    TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() &&
+                    raw.size(1) == g.row_bytes,
+                "raw must be a contiguous CPU uint8 tensor [N, ", g.row_bytes, "] (lanes), got ", raw.sizes());
+    q8::dispatch(qtype, [&](auto f) {
+      TORCH_CHECK(K % (decltype(f)::MODE == q8::KL ? 256 : 32) == 0, "in_features ", K, " does not fit the blocks");
+    });
     g.W = raw.data_ptr<uint8_t>();
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == g.N,
@@ -207,15 +211,35 @@ torch::Tensor linear_q8(int64_t qtype, const torch::Tensor& raw, const torch::Te
   return linear_multi(x, {WeightSpec{qtype, raw, K, bias}}, nthreads)[0];
 }
 
-// A copy of raw (Q4_K or Q6_K blocks [N, row_bytes]) in the lane layout of the q8 GEMM (to_lanes) or
-// back in the GGML layout; lossless (the same values, moved within each block).
+// A copy of raw [N, row_bytes] in the lane layout of the q8 GEMM (to_lanes; from GGML blocks) or
+// back in the GGML layout (from lanes); lossless (the same values, moved). Q4_K / Q6_K keep their
+// block size; the 32-block formats group 8 blocks per super-block, a partial last one padded.
 torch::Tensor repack_lanes(int64_t qtype, const torch::Tensor& raw, int64_t K, bool to_lanes, int64_t nthreads) {
-  TORCH_CHECK(qtype == T_Q4_K || qtype == T_Q6_K, "only Q4_K and Q6_K have a lane layout, not GGML type ", qtype);
-  dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
-  auto out = raw.clone();
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(),
+              "raw must be a contiguous CPU uint8 tensor [N, row_bytes]");
   const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
+  const int64_t N = raw.size(0);
+  if (qtype == T_Q4_K || qtype == T_Q6_K) {
+    dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
+    auto out = raw.clone();
+    pybind11::gil_scoped_release nogil;
+    q8::repack_lanes(qtype, out.data_ptr<uint8_t>(), out.numel() / (qtype == T_Q4_K ? 144 : 210), to_lanes, nt);
+    return out;
+  }
+  TORCH_CHECK(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0,
+              "GGML type ", qtype, " has no lane layout");
+  int64_t lanes_row = 0, ggml_row = 0;
+  q8::dispatch(qtype + q8::LANES_ID, [&](auto f) {
+    using F = decltype(f);
+    TORCH_CHECK(K > 0 && K % F::GBS == 0, "in_features ", K, " is not a multiple of the block size ", F::GBS);
+    ggml_row = K / F::GBS * F::GTS;
+    lanes_row = (K + F::BS - 1) / F::BS * F::TS;
+  });
+  TORCH_CHECK(raw.size(1) == (to_lanes ? ggml_row : lanes_row), "raw has ", raw.size(1), " bytes per row, expected ",
+              to_lanes ? ggml_row : lanes_row);
+  auto out = torch::empty({N, to_lanes ? lanes_row : ggml_row}, raw.options());
   pybind11::gil_scoped_release nogil;
-  q8::repack_lanes(qtype, out.data_ptr<uint8_t>(), out.numel() / (qtype == T_Q4_K ? 144 : 210), to_lanes, nt);
+  q8::repack_lanes32(qtype, raw.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), N, K, to_lanes, nt);
   return out;
 }
 
@@ -248,10 +272,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
           sr[2 * j + 1] = static_cast<int16_t>(xc.b6[8 + j] / 32);
         }
       } else {
-        std::memcpy(qr, xc.q, n);
+        for (int64_t e = 0; e < n; ++e) qr[e] = xc.q[32 * (e % 32 / 4) + 4 * (e / 32) + e % 4];
         for (int64_t b = 0; b < n / 32; ++b) {
           d.data_ptr<float>()[t * (K / 32) + c * 8 + b] = xc.d[b];
-          sums.data_ptr<int32_t>()[t * (K / 32) + c * 8 + b] = static_cast<int32_t>(xc.s[b]);
+          sums.data_ptr<int32_t>()[t * (K / 32) + c * 8 + b] = xc.b6[b];
         }
       }
     }

@@ -35,12 +35,13 @@ namespace q8 {
 // ---------------------------------------------------------------------------------------------
 // Activation quantization
 //
-// Two modes, picked by the weight format (like llama.cpp's vec_dot_type):
-//   KL (K-quant weights in the lane layout, block 256, "Q8_K"): one fp32 scale per 256 values,
-//       the values permuted like the weights (see LANES below) and per-group sums of q (for the
-//       Q4_K min and Q6_K offset terms);
-//   B32 (32-blocks: Q4_0, Q4_1, Q5_0, Q8_0): one fp32 scale per 32 values and the sum of q over
-//       the 32 (for the Q4_1 min term).
+// Two modes, picked by the weight format (like llama.cpp's vec_dot_type); both store q permuted
+// like the lane layouts of the weights (see LANES below): byte 4j + r of vector v (q[32v + 4j + r])
+// is value 32j + 4v + r, so lane j of every vector belongs to 32-group j of the 256.
+//   KL (K-quants): one fp32 scale per 256 values and per-group sums of q (for the Q4_K min and
+//       Q6_K offset terms);
+//   B32 (32-blocks: Q4_0, Q4_1, Q5_0, Q8_0): one fp32 scale per 32 values (lane j: block j) and
+//       the sum of q over each 32 (for the offsets of the unsigned weight bytes, Q4_1's min).
 // Per block: amax = max |x|, d = amax / 127, id = d != 0 ? 1 / d : 0, q = round-half-even(x * id)
 // (|q| <= 127: x * id is at most 127 times (1 + 2^-22)). quickdraft/quant/ggml.py has the same
 // rule in torch, bit for bit. A row is quantized alone: the same bits whatever rows come with it.
@@ -49,15 +50,15 @@ namespace q8 {
 enum XMode : int { KL = 0, B32 = 1 };
 constexpr int NMODES = 2;
 
-// One input row's 256 values (one panel step), quantized. 416 bytes, 32-byte aligned.
+// One input row's 256 values (one panel step), quantized. 416 bytes, 32-byte aligned. A partial
+// last chunk (B32: K not a multiple of 256) has zeros in its missing blocks.
 struct alignas(32) XChunk {
-  // B32: the values in order. KL: permuted so that byte 4j + r of vector v (q[32v + 4j + r]) is
-  // value 32j + 4v + r: lane j of every vector belongs to 32-group j.
-  int8_t q[256];
-  float d[8];  // KL: d[0] is the scale of the 256; B32: d[b] is the scale of q[32b .. 32b+31]
-  float s[8];  // B32: sum of q[32b .. 32b+31] as a float (exact: |s| <= 4064)
-  float bm[8];  // KL: d * (sum of q over 32-group j), for Q4_K's min term
-  int32_t b6[16];  // KL: 32 * (sum of q over 16-group 2j) at j, 16-group 2j + 1 at 8 + j (Q6_K's offset)
+  int8_t q[256];   // permuted (above)
+  float d[8];      // KL: d[0] is the scale of the 256; B32: d[j] is the scale of block j
+  float s[8];      // (unused)
+  float bm[8];     // KL: d * (sum of q over 32-group j), Q4_K's min term; B32: d[j] * sum of block j's q
+  int32_t b6[16];  // KL: 32 * (sum of q over 16-group 2j) at j, 16-group 2j + 1 at 8 + j (Q6_K's offset);
+                   // B32: b6[j] = sum of block j's q
 };
 static_assert(sizeof(XChunk) == 416, "XChunk layout");
 
@@ -122,16 +123,28 @@ void quantize_chunk(const float* x, int n, XChunk& c) {
       c.b6[8 + j] = 32 * s16[2 * j + 1];
     }
   } else {
+    alignas(32) int8_t qn[256];  // in order; missing blocks of a partial chunk stay zero
+    std::memset(qn, 0, sizeof(qn));
+    for (int b = 0; b < 8; ++b) {
+      c.d[b] = 0.0f;
+      c.b6[b] = 0;
+      c.bm[b] = 0.0f;
+    }
     for (int b = 0; b < n / 32; ++b) {
       const float d = absmax(x + 32 * b, 4) / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
       c.d[b] = d;
-      const __m256i s = quant32(x + 32 * b, _mm256_set1_ps(id), c.q + 32 * b);
-      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      const __m256i sm = quant32(x + 32 * b, _mm256_set1_ps(id), qn + 32 * b);
+      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
       h = _mm_hadd_epi32(h, h);
       h = _mm_hadd_epi32(h, h);
-      c.s[b] = static_cast<float>(_mm_cvtsi128_si32(h));
+      c.b6[b] = _mm_cvtsi128_si32(h);
+      c.bm[b] = d * static_cast<float>(c.b6[b]);
     }
+    int32_t* out = reinterpret_cast<int32_t*>(c.q);
+    const int32_t* in = reinterpret_cast<const int32_t*>(qn);
+    for (int v = 0; v < 8; ++v)
+      for (int j = 0; j < 8; ++j) out[8 * v + j] = in[8 * j + v];
   }
 }
 
@@ -139,105 +152,121 @@ void quantize_chunk(const float* x, int n, XChunk& c) {
 // Weight formats for the integer dot
 //
 // F::prepare(block, pre) decodes a block's scales; F::seg(s, block, pre, put) for s < NSEG calls
-// put(v, w) with w the 32 weight bytes of vector v (the same positions as the activation bytes
-// q[32v ..]: elements 32v .. 32v+31 of a 32-block format; the lane layout for K-quants).
-// Unsigned formats give w in 0..15 or 0..63; SIGNED ones give w as int8 and the dot uses
-// |w| . sign(q, w). The dot is dpbusd (AVX2: maddubs + madd(1) + add), exact for any input: maddubs
-// adds two products of |w| <= 128 (Q8_0's |-128|) and |q| <= 127, so |pair| <= 32512 < 32767
-// (no int16 saturation); an int32 lane is at most 8 vectors * 4 * 128 * 127 < 2^20 (Q6_K lanes
-// with the offset term: 16 * 63 * 127 + 32 * 16 * 127 < 2^18). Lanes below 2^24 convert to float
-// exactly. F::finish(isum, pre, xc, blk, acc) turns the block's exact int32 lanes into floats: the
-// only float arithmetic of the path, one fixed sequence per (row, output, block).
+// put(v, w) with w the 32 weight bytes of vector v (at the positions of the activation bytes
+// q[32v ..]: lane j of every vector is group j). Unsigned formats give w in 0..15, 0..31 or 0..63;
+// SIGNED ones (Q8_0) give int8 w and the dot uses |w| . sign(q, w). The dot is dpbusd (AVX2:
+// maddubs + madd(1) + add) into accumulator F::acc_of(v), exact for any input: maddubs adds two
+// products of |w| <= 128 and |q| <= 127, so |pair| <= 2 * 128 * 127 = 32512 < 32767 (no int16
+// saturation; Q6_K: 2 * 63 * 127), and an int32 lane stays below 2^20. Lanes below 2^24 convert to
+// float exactly. F::finish(isum, pre, xc, blk, acc) turns the block's exact int32 lanes into
+// floats: the only float arithmetic of the path, one fixed sequence per (row, output, block).
 // ---------------------------------------------------------------------------------------------
 
-QD_INLINE __m256 dxb(const XChunk& xc, int64_t blk) { return _mm256_broadcast_ss(xc.d + blk); }
+// 32-block formats in lanes: 8 consecutive blocks of a row (256 weights, a "super-block") with
+// their scales first and the values regrouped so that lane j of every vector is block j (see
+// LANES below). Q4_0 / Q5_0 keep their unsigned values, the offset goes through the activations'
+// block sums: sum x w = dx_j * d_j * (sum q x - offset * sum x); Q8_0 keeps signed bytes.
+// A row whose K is not a multiple of 256 ends in a super-block padded with zero blocks (d = 0).
 
-struct Q4_0 {  // w = d*(q-8): signed bytes q-8
-  static constexpr int64_t BS = 32, TS = 18;
-  static constexpr int NSEG = 1, MODE = B32;
+// isum_j - off * s_j, then acc += (dw_j * dx_j) * that (one lane per block)
+QD_INLINE void finish32(__m256i isum, __m256 dw, int off, const XChunk& xc, float* acc) {
+  const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6));
+  const __m256i i = off ? _mm256_sub_epi32(isum, _mm256_mullo_epi32(s, _mm256_set1_epi32(off))) : isum;
+  const __m256 scale = _mm256_mul_ps(dw, _mm256_load_ps(xc.d));
+  _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), scale, _mm256_load_ps(acc)));
+}
+
+QD_INLINE __m256 fp16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+struct Q8_0L {  // [d x 8][256 bytes: q, int8]
+  static constexpr int64_t BS = 256, TS = 8 * 34, GBS = 32, GTS = 34;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2;
   static constexpr bool SIGNED = true;
   struct Pre {
-    float d;
+    __m256 d;
   };
-  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16x8(b); }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
-  static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-    put(0, _mm256_sub_epi8(w, _mm256_set1_epi8(8)));
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    put(2 * s, load_256(b + 16 + 64 * s));
+    put(2 * s + 1, load_256(b + 16 + 64 * s + 32));
   }
-  static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
-    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(p.d), dxb(xc, blk));
-    _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, _mm256_load_ps(acc)));
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, acc);
   }
 };
 
-struct Q4_1 {  // w = d*q + m, q 0..15: sum x w = dx*(d*sum(q*qx) + m*sum(qx))
-  static constexpr int64_t BS = 32, TS = 20;
-  static constexpr int NSEG = 1, MODE = B32;
+template <int OFF, int64_t QS>  // [d x 8][(Q5_0: qh' 32)][qs' 128: vector 2u low nibbles, 2u + 1 high]
+struct Nibble32L {
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2;
   static constexpr bool SIGNED = false;
   struct Pre {
-    float d, m;
+    __m256 d;
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16x8(b); }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
+  template <class P>
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i q = load_256(b + QS + 32 * s);
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if constexpr (QS == 48) {  // Q5_0: bit v of qh' byte b is vector v's 5th bit -> 16
+      const __m256i qh = load_256(b + 16);
+      lo = _mm256_or_si256(lo, high_bit(qh, 2 * s));
+      hi = _mm256_or_si256(hi, high_bit(qh, 2 * s + 1));
+    }
+    put(2 * s, lo);
+    put(2 * s + 1, hi);
+  }
+  static QD_INLINE __m256i high_bit(__m256i qh, int v) {  // (qh >> v & 1) << 4 per byte
+    const __m256i bit = _mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(1 << v)));
+    switch (v) {  // 16-bit shifts; the masked bit never crosses its byte
+      case 0: return _mm256_slli_epi16(bit, 4);
+      case 1: return _mm256_slli_epi16(bit, 3);
+      case 2: return _mm256_slli_epi16(bit, 2);
+      case 3: return _mm256_slli_epi16(bit, 1);
+      case 4: return bit;
+      case 5: return _mm256_srli_epi16(bit, 1);
+      case 6: return _mm256_srli_epi16(bit, 2);
+      default: return _mm256_srli_epi16(bit, 3);
+    }
+  }
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, acc);
+  }
+};
+struct Q4_0L : Nibble32L<8, 16> {
+  static constexpr int64_t BS = 256, TS = 8 * 18, GBS = 32, GTS = 18;
+};
+struct Q5_0L : Nibble32L<16, 48> {
+  static constexpr int64_t BS = 256, TS = 8 * 22, GBS = 32, GTS = 22;
+};
+
+struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m_j * (dx_j * s_j)
+  static constexpr int64_t BS = 256, TS = 8 * 20, GBS = 32, GTS = 20;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2;
+  static constexpr bool SIGNED = false;
+  struct Pre {
+    __m256 d, m;
   };
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
-    p.d = fp16(b);
-    p.m = fp16(b + 2);
+    p.d = fp16x8(b);
+    p.m = fp16x8(b + 16);
   }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
-  static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-    put(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4)));
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i q = load_256(b + 32 + 32 * s);
+    put(2 * s, _mm256_and_si256(q, m4));
+    put(2 * s + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
   }
-  static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
-    const __m256 dx = dxb(xc, blk);
-    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(p.d), dx), _mm256_load_ps(acc));
-    // the min term goes to lane 0: [sum(qx), 0, ..., 0] * (m * dx)
-    const __m256 sx = _mm256_zextps128_ps256(_mm_load_ss(xc.s + blk));
-    a = _mm256_fmadd_ps(sx, _mm256_mul_ps(_mm256_set1_ps(p.m), dx), a);
-    _mm256_store_ps(acc, a);
-  }
-};
-
-struct Q5_0 {  // w = d*(q-16), q 5 bits: signed bytes q-16
-  static constexpr int64_t BS = 32, TS = 22;
-  static constexpr int NSEG = 1, MODE = B32;
-  static constexpr bool SIGNED = true;
-  using Pre = Q4_0::Pre;
-  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
-  template <class P>
-  static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i b4 = _mm256_set1_epi8(0x10);
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-    __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread);  // byte j: qh byte j/8
-    hb = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit), b4);      // 16 where bit j is set
-    put(0, _mm256_sub_epi8(_mm256_or_si256(nib, hb), b4));
-  }
-  static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
-    Q4_0::finish(isum, p, xc, blk, acc);
-  }
-};
-
-struct Q8_0 {  // w = d*q, q int8
-  static constexpr int64_t BS = 32, TS = 34;
-  static constexpr int NSEG = 1, MODE = B32;
-  static constexpr bool SIGNED = true;
-  using Pre = Q4_0::Pre;
-  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16(b); }
-  template <class P>
-  static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
-    put(0, load_256(b + 2));
-  }
-  static QD_INLINE void finish(__m256i isum, const Pre& p, const XChunk& xc, int64_t blk, float* acc) {
-    Q4_0::finish(isum, p, xc, blk, acc);
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, acc);
+    _mm256_store_ps(acc, _mm256_fmadd_ps(p.m, _mm256_load_ps(xc.bm), _mm256_load_ps(acc)));
   }
 };
 
@@ -258,7 +287,7 @@ struct Q8_0 {  // w = d*q, q int8
 // ---------------------------------------------------------------------------------------------
 
 struct Q4_KL {
-  static constexpr int64_t BS = 256, TS = 144;
+  static constexpr int64_t BS = 256, TS = 144, GBS = 256, GTS = 144;  // (GGML block = lanes block)
   static constexpr int NSEG = 4, MODE = KL, NACC = 2;  // even / odd vectors: two short chains
   static constexpr bool SIGNED = false;
   struct Pre {
@@ -295,7 +324,7 @@ struct Q4_KL {
 };
 
 struct Q6_KL {
-  static constexpr int64_t BS = 256, TS = 210;
+  static constexpr int64_t BS = 256, TS = 210, GBS = 256, GTS = 210;
   static constexpr int NSEG = 4, MODE = KL, NACC = 2;
   static constexpr bool SIGNED = false;
   struct Pre {
@@ -386,12 +415,74 @@ inline void repack_lanes(int64_t qtype, uint8_t* blocks, int64_t n, bool to_lane
   }
 }
 
+// Repacks N rows of K values of a 32-block format (GGML ids 2, 3, 6, 8) from src (GGML: K/32
+// blocks per row) to dst (lanes: ceil(K/256) super-blocks per row, a partial last one padded with
+// zero blocks), or back (to_lanes false). Lossless.
+inline void repack_lanes32(int64_t qtype, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K, bool to_lanes,
+                           int nthreads) {
+  const int64_t gts = qtype == 2 ? 18 : qtype == 3 ? 20 : qtype == 6 ? 22 : 34;  // GGML block bytes
+  const int64_t nb = K / 32, nsb = (K + 255) / 256, grow = nb * gts, lrow = nsb * 8 * gts;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* in = src + n * (to_lanes ? grow : lrow);
+    uint8_t* out = dst + n * (to_lanes ? lrow : grow);
+    if (to_lanes) std::memset(out, 0, lrow);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t sb = b / 8, j = b % 8;
+      const uint8_t* g = to_lanes ? in + b * gts : nullptr;  // the GGML block
+      uint8_t* go = to_lanes ? nullptr : out + b * gts;
+      uint8_t* l = to_lanes ? out + sb * 8 * gts : const_cast<uint8_t*>(in + sb * 8 * gts);  // its super-block
+      // scales: d at 2j (and Q4_1's m at 16 + 2j)
+      const int nsc = qtype == 3 ? 2 : 1;
+      for (int k = 0; k < nsc; ++k) {
+        if (to_lanes)
+          std::memcpy(l + 16 * k + 2 * j, g + 2 * k, 2);
+        else
+          std::memcpy(go + 2 * k, l + 16 * k + 2 * j, 2);
+      }
+      if (!to_lanes && qtype == 6) std::memset(go + 2, 0, 4);
+      if (!to_lanes && qtype != 8) std::memset(go + (qtype == 3 ? 4 : qtype == 6 ? 6 : 2), 0, 16);
+      for (int e = 0; e < 32; ++e) {
+        const int v = e / 4, r = e % 4;
+        const int64_t lb = 4 * j + r;  // byte of vector v holding element e of block j
+        if (qtype == 8) {  // int8 as is
+          if (to_lanes)
+            l[16 + 32 * v + lb] = g[2 + e];
+          else
+            go[2 + e] = l[16 + 32 * v + lb];
+          continue;
+        }
+        const int64_t qs = qtype == 2 ? 2 : qtype == 3 ? 4 : 6;  // GGML nibbles: e < 16 low, else high
+        const int64_t lq = (qtype == 2 ? 16 : qtype == 3 ? 32 : 48) + 32 * (v / 2) + lb;
+        const int lsh = 4 * (v % 2), gsh = e < 16 ? 0 : 4;
+        if (to_lanes) {
+          l[lq] |= ((g[qs + e % 16] >> gsh) & 15) << lsh;
+          if (qtype == 6) {
+            uint32_t qh;
+            std::memcpy(&qh, g + 2, 4);
+            l[16 + lb] |= ((qh >> e) & 1) << v;
+          }
+        } else {
+          go[qs + e % 16] |= ((l[lq] >> lsh) & 15) << gsh;
+          if (qtype == 6) {
+            uint32_t qh;
+            std::memcpy(&qh, go + 2, 4);
+            qh |= static_cast<uint32_t>((l[16 + lb] >> v) & 1) << e;
+            std::memcpy(go + 2, &qh, 4);
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM
 // ---------------------------------------------------------------------------------------------
 
 constexpr int TT_MAX = 8;  // input rows per register tile
 constexpr int TB = 64;     // input rows per accumulator block
+constexpr int64_t PF_L1_MAX = 1152;  // bytes per panel step up to which decode prefetches into L1
 constexpr int64_t PF_AHEAD = 1;  // a panel prefetches the panel this many ahead (same work item)
 
 // Weight rows per tile of TT input rows: TT * NN int32 accumulators stay in registers.
@@ -400,26 +491,6 @@ constexpr int64_t PF_AHEAD = 1;  // a panel prefetches the panel this many ahead
 template <class F>
 constexpr int nn_for(int tt) {
   return tt == 1 ? 4 : tt <= 4 ? 2 : 1;
-}
-
-// Integer accumulators per (input row, weight row): 2 for Q6_K lanes, else 1.
-template <class F>
-constexpr bool lanes() {
-  return F::MODE == KL;
-}
-template <class F>
-constexpr int nacc() {
-  if constexpr (lanes<F>())
-    return F::NACC;
-  else
-    return 1;
-}
-template <class F>
-QD_INLINE int acc_index(int v) {
-  if constexpr (lanes<F>())
-    return F::acc_of(v);
-  else
-    return 0;
 }
 
 // acc[i][j] (8 floats at acc + (i*NP + j)*8) += rows i of x (chunks x[i]) . weight rows j (blocks
@@ -433,7 +504,7 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     typename F::Pre pre[NN];
     QD_UNROLL
     for (int j = 0; j < NN; ++j) F::prepare(p[j], pre[j]);
-    constexpr int NA = nacc<F>();
+    constexpr int NA = F::NACC;
     __m256i ia[TT][NN][NA];
     QD_UNROLL
     for (int i = 0; i < TT; ++i)
@@ -441,7 +512,6 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
       for (int j = 0; j < NN; ++j)
         QD_UNROLL
         for (int a = 0; a < NA; ++a) ia[i][j][a] = _mm256_setzero_si256();
-    const int64_t xo = F::BS == 32 ? 32 * blk : 0;
     QD_UNROLL
     for (int s = 0; s < F::NSEG; ++s) {
       QD_UNROLL
@@ -450,9 +520,9 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
           const __m256i wu = F::SIGNED ? _mm256_sign_epi8(w, w) : w;  // |w| (|-128| = 128 unsigned)
           QD_UNROLL
           for (int i = 0; i < TT; ++i) {
-            __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].q + xo + 32 * v));
+            __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].q + 32 * v));
             if (F::SIGNED) xv = _mm256_sign_epi8(xv, w);
-            __m256i& acc_r = ia[i][j][acc_index<F>(v)];
+            __m256i& acc_r = ia[i][j][F::acc_of(v)];
 #ifdef QD_VNNI
             acc_r = _mm256_dpbusd_epi32(acc_r, wu, xv);  // = maddubs + madd(1) + add, in one step
 #else
@@ -468,12 +538,7 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     QD_UNROLL
     for (int i = 0; i < TT; ++i)
       QD_UNROLL
-      for (int j = 0; j < NN; ++j) {
-        if constexpr (lanes<F>())
-          F::finish(ia[i][j], pre[j], x[i], blk, acc + (i * NP + j) * 8);
-        else
-          F::finish(ia[i][j][0], pre[j], x[i], blk, acc + (i * NP + j) * 8);
-      }
+      for (int j = 0; j < NN; ++j) F::finish(ia[i][j], pre[j], x[i], blk, acc + (i * NP + j) * 8);
     QD_UNROLL
     for (int j = 0; j < NN; ++j) p[j] += F::TS;
   }
@@ -525,13 +590,15 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
         const uint8_t* q = g.W + (n0 + PF_AHEAD * NP) * g.row_bytes + c0 / CHUNK * g.pf_step;
         const uint8_t* qe =
             std::min(q + g.pf_step, g.W + std::min<int64_t>(g.N, n0 + (PF_AHEAD + 1) * NP) * g.row_bytes);
-        // into L1 for 1-2 rows (decode), into L2 for more (measured: 4 rows 15% faster, 1 row 8% slower with L2)
-        if (T <= 2)
+        // into L1 for 1-2 rows of a format with small steps (Q4_K, Q4_0: 1152 bytes), else into L2
+        // (measured: Q4_K 4 rows 15% faster, 1 row 8% slower with L2; Q8_0 / Q6_K 1 row ~2x / 10%
+        // slower with L1: their larger steps evict the panel being read)
+        if (T <= 2 && g.pf_step <= PF_L1_MAX)
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
         else
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
       }
-      const int64_t nblk = std::min<int64_t>(CHUNK, g.K - c0) / F::BS;
+      const int64_t nblk = 1;  // one (super-)block of 256 per row and step (a partial last one padded)
       const uint8_t* b[NP];
       for (int j = 0; j < NP; ++j) b[j] = rows[j] + c0 / F::BS * F::TS;
       rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb);
@@ -557,10 +624,10 @@ enum : int64_t { T_Q4_KL = T_Q4_K + LANES_ID, T_Q6_KL = T_Q6_K + LANES_ID };
 template <class Fn>
 bool dispatch(int64_t qtype, Fn&& fn) {
   switch (qtype) {
-    case T_Q4_0: fn(Q4_0{}); return true;
-    case T_Q4_1: fn(Q4_1{}); return true;
-    case T_Q5_0: fn(Q5_0{}); return true;
-    case T_Q8_0: fn(Q8_0{}); return true;
+    case T_Q4_0 + LANES_ID: fn(Q4_0L{}); return true;
+    case T_Q4_1 + LANES_ID: fn(Q4_1L{}); return true;
+    case T_Q5_0 + LANES_ID: fn(Q5_0L{}); return true;
+    case T_Q8_0 + LANES_ID: fn(Q8_0L{}); return true;
     case T_Q4_KL: fn(Q4_KL{}); return true;
     case T_Q6_KL: fn(Q6_KL{}); return true;
     default: return false;
@@ -571,7 +638,7 @@ bool dispatch(int64_t qtype, Fn&& fn) {
 inline bool init_job(Job& g) {
   return dispatch(g.qtype, [&](auto f) {
     using F = decltype(f);
-    g.row_bytes = g.K / F::BS * F::TS;
+    g.row_bytes = (g.K + F::BS - 1) / F::BS * F::TS;  // lanes: a partial last super-block padded
     g.npanels = (g.N + NP - 1) / NP;
     const int64_t nchunks = (g.K + CHUNK - 1) / CHUNK;
     g.pf_step = (NP * g.row_bytes / nchunks + 63) / 64 * 64;

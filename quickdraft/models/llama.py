@@ -15,7 +15,15 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, DecoderLayer, Linear, RMSNorm, Rope, Step, causal_mask
+from quickdraft.models.layers import (
+    BLOCKED_MAX_ROWS,
+    DecoderLayer,
+    Linear,
+    RMSNorm,
+    Rope,
+    Step,
+    causal_mask,
+)
 from quickdraft.models.native import NativeStack
 
 

@@ -42,11 +42,11 @@ def build_stack(layers: nn.ModuleList) -> Any | None:
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
             return None
         a, mlp = layer.self_attn, layer.mlp
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms: list[nn.Module | None] = [layer.input_layernorm, layer.post_attention_layernorm]
         if a.q_norm is not None:
             norms += [a.q_norm, a.k_norm]
-        if any(type(n) is not RMSNorm or n.eps != eps or n.weight.dtype != torch.float32 or not n.weight.is_cpu
-               for n in norms):
+        if any(not isinstance(n, RMSNorm) or type(n) is not RMSNorm or n.eps != eps
+               or n.weight.dtype != torch.float32 or not n.weight.is_cpu for n in norms):
             return None
         if (a.rope is not rope or a.window != attn0.window or (a.nh, a.nkv, a.hd) != (attn0.nh, attn0.nkv, attn0.hd)
                 or a.scale != attn0.scale):

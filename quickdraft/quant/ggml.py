@@ -124,12 +124,13 @@ SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DEQUANT)
 
 
 # --------------------------------------------------------------------------------------------
-# The lane layout of Q4_K and Q6_K (the q8 kernels' own; see LANES in kernels/ggml_q8.h): the same
-# values moved within each block so that lane j of every 32-byte vector holds 4 values of 32-group
-# j. GGMLLinear repacks into it on the first q8 kernel call and back for everything else.
+# The lane layout (the q8 kernels' own; see LANES in kernels/ggml_q8.h): the same values moved so
+# that lane j of every 32-byte vector holds 4 values of 32-group j (Q4_K, Q6_K: within each block;
+# 32-block formats: 8 blocks per super-block of 256, a partial last one padded with zero blocks).
+# GGMLLinear repacks into it on the first q8 kernel call and back for everything else.
 # --------------------------------------------------------------------------------------------
 
-LANE_TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_K, Q.Q6_K)
+LANE_TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 LANES_ID = 1000  # the kernels' id of a lane layout: GGML type id + LANES_ID
 
 
@@ -159,8 +160,8 @@ def repack_lanes_reference(
 ) -> torch.Tensor:
     """A copy of Q4_K / Q6_K blocks in the lane layout (``to_lanes``) or back in GGML's (torch ops)."""
     qt = _qtype(qtype)
-    if qt not in LANE_TYPES:
-        raise ValueError(f"only Q4_K and Q6_K have a lane layout, not {qt.name}")
+    if qt not in (Q.Q4_K, Q.Q6_K):
+        raise ValueError(f"the torch lane layout covers Q4_K and Q6_K, not {qt.name}")
     ts = GGML_QUANT_SIZES[qt][1]
     blocks = raw.reshape(-1, ts)
     q0, q1 = (16, 144) if qt == Q.Q4_K else (0, 192)  # the bytes the values live in
@@ -479,10 +480,13 @@ class GGMLLinear(nn.Module):
             self._ref_weight = None
 
     def _repack(self, raw: torch.Tensor, to_lanes: bool) -> torch.Tensor:
-        mod = _active_kernels()
-        if mod is not None and raw.is_cpu:
-            return mod.repack_lanes(self._qt, raw, self.in_features, to_lanes)
-        return repack_lanes_reference(self.qtype, raw, to_lanes)
+        mod = _kernels.load()  # (also in reference mode: lanes were made by the kernels)
+        if mod is not None:
+            out = mod.repack_lanes(self._qt, raw.cpu().contiguous(), self.in_features, to_lanes)
+            return out.to(raw.device)
+        if self.qtype in (Q.Q4_K, Q.Q6_K):
+            return repack_lanes_reference(self.qtype, raw, to_lanes)
+        raise QuickdraftError(f"{self.qtype.name} lanes need the native kernels to repack")  # (never made without)
 
     def _set_layout(self, lanes: bool) -> int:
         """Puts raw in the lane layout (q8 kernels) or the GGML one; returns the kernels' type id."""
