@@ -63,8 +63,8 @@ class LLM:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
         .safetensors; ``canary=False`` skips its load-time check). ``num_draft``: fixed k, or None = auto.
-        ``draft_vocab``: a draft model's logits cover this many token ids (+ special tokens; None = the
-        default 32768, 0 = all). ``tensor_parallel``: split the target over this many processes (see
+        ``draft_vocab``: a draft model's logits cover this many token ids (+ special tokens; None or 0 =
+        all, the default). ``tensor_parallel``: split the target over this many processes (see
         quickdraft.parallel)."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything

@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="a draft model computes logits for the first N token ids (+ special tokens) only: "
-                        "cheaper drafts, output unchanged (default: 32768; 0 = the whole vocabulary)")
+                        "cheaper draft tokens, fewer accepted, output unchanged (default: 0 = the whole vocabulary)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:

@@ -37,7 +37,7 @@ MAX_AUTO_K = 8
 NGRAM_PRIOR, DRAFT_PRIOR, EAGLE_PRIOR = 0.6, 0.7, 0.8
 
 
-DEFAULT_DRAFT_VOCAB = 32768
+DEFAULT_DRAFT_VOCAB = 0  # the whole vocabulary (see SpecConfig.draft_vocab)
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class SpecConfig:
     num_draft: int | None = None  # None = chosen per step by the cost model
     canary: bool = True  # EAGLE-3 heads: check with a short decode at load that the head pays
     # a draft model's output head covers the first draft_vocab token ids (plus the added / special
-    # tokens) only, 0 = all: its largest layer gets ~5x cheaper, drafts rarely change, and any
-    # draft distribution keeps speculation lossless
+    # tokens) only, 0 = all (default). Any draft distribution keeps speculation lossless; measured
+    # on HumanEval with Qwen2.5-Coder-0.5B drafting for 1.5B, 32768 makes a draft token 21% cheaper
+    # but 6% of the target's tokens (e.g. "```") lie above it: acceptance 97% -> 89%, about even.
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
 
     def __post_init__(self) -> None:
