@@ -1,6 +1,6 @@
 // The "q8 activations" path: input rows quantized to int8 per block, integer dot products with
-// the GGML weight blocks (AVX2 maddubs/madd), one float step per weight block. See ggml_cpu.cpp
-// for the design; plain C++ without torch, like ggml_cpu.h.
+// the weight blocks in their lane layout (AVX2 maddubs/madd, AVX-512 VNNI dpbusd), one float step
+// per 256 weights. See ggml_cpu.cpp for the design; plain C++ without torch, like ggml_cpu.h.
 #pragma once
 
 #include "ggml_cpu.h"

@@ -1,5 +1,5 @@
 // The q8 GEMM of ggml_q8.h compiled a second time, for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and
-// later Xeons): dpbusd / dpwssd do the integer dot products in fewer instructions, and 32 vector
+// later Xeons): dpbusd does the integer dot products in one instruction instead of three, and 32 vector
 // registers hold the accumulators. The integer sums are exact either way and the float steps are
 // the same code, so this build's results are bitwise equal to the AVX2 build's
 // (tests/test_kernels_q8.py checks it). ggml_cpu.cpp picks the build once per process from the
