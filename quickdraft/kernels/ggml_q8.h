@@ -180,6 +180,23 @@ QD_INLINE __m256 fp16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 32 bytes at p holding two lane-layout vectors: the low nibbles (vector 2u) and the high ones (2u + 1).
+QD_INLINE void nibble_pair(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i q = load_256(p);
+  lo = _mm256_and_si256(q, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+}
+
+// seg() of a format whose 4 x 32 value bytes start at byte OFF of the block (nibble pairs)
+template <int64_t OFF, class P>
+QD_INLINE void nibble_seg(int s, const uint8_t* b, P&& put) {
+  __m256i lo, hi;
+  nibble_pair(b + OFF + 32 * s, lo, hi);
+  put(2 * s, lo);
+  put(2 * s + 1, hi);
+}
+
 struct Q8_0L {  // [d x 8][256 bytes: q, int8]
   static constexpr int64_t BS = 256, TS = 8 * 34, GBS = 32, GTS = 34;
   static constexpr int NSEG = 4, MODE = B32, NACC = 2;
@@ -210,9 +227,8 @@ struct Nibble32L {
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i q = load_256(b + QS + 32 * s);
-    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    __m256i lo, hi;
+    nibble_pair(b + QS + 32 * s, lo, hi);
     if constexpr (QS == 48) {  // Q5_0: bit v of qh' byte b is vector v's 5th bit -> 16
       const __m256i qh = load_256(b + 16);
       lo = _mm256_or_si256(lo, high_bit(qh, 2 * s));
@@ -259,10 +275,7 @@ struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i q = load_256(b + 32 + 32 * s);
-    put(2 * s, _mm256_and_si256(q, m4));
-    put(2 * s + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    nibble_seg<32>(s, b, put);
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, acc);
@@ -308,10 +321,7 @@ struct Q4_KL {
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i q = load_256(b + 16 + 32 * s);
-    put(2 * s, _mm256_and_si256(q, m4));
-    put(2 * s + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    nibble_seg<16>(s, b, put);
   }
   // sum x w = sum_j dx * d * sc_j * isum_j - dmin * m_j * (dx * bsum_j)
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
