@@ -45,6 +45,7 @@ def build_stack(layers: nn.ModuleList) -> Any | None:
         norms: list[nn.Module | None] = [layer.input_layernorm, layer.post_attention_layernorm]
         if a.q_norm is not None:
             norms += [a.q_norm, a.k_norm]
+        # exactly RMSNorm: subclasses (e.g. Gemma's 1 + w) compute something else
         if any(not isinstance(n, RMSNorm) or type(n) is not RMSNorm or n.eps != eps
                or n.weight.dtype != torch.float32 or not n.weight.is_cpu for n in norms):
             return None
@@ -79,8 +80,8 @@ class NativeStack:
     def get(self, layers: nn.ModuleList, x: torch.Tensor) -> Any | None:
         if x.dtype is not torch.float32 or not x.is_cpu or torch.is_grad_enabled() or active_kernels() is None:
             return None
-        cos = getattr(getattr(layers[0], "self_attn", None), "rope", None)
-        cos = getattr(cos, "cos", None)
+        rope = getattr(getattr(layers[0], "self_attn", None), "rope", None)
+        cos = getattr(rope, "cos", None)  # new tables (materialize, .to()) mean a new stack
         if self._epoch != layout_epoch() or cos is not self._rope_cos:
             self._stack = build_stack(layers)
             self._epoch = layout_epoch()  # after the build: it may repack layers (and move the epoch)

@@ -441,7 +441,7 @@ class GGMLLinear(nn.Module):
         self._ref_weight: torch.Tensor | None = None
         self._cache_ref = False
         self._act_block = activation_block_size(self.qtype)
-        self._lanes = False  # raw holds the lane layout (Q4_K / Q6_K after a q8 kernel call)
+        self._lanes = False  # raw holds the lane layout (after a q8 kernel call)
 
     @property
     def activations(self) -> str | None:
