@@ -11,10 +11,11 @@
 //   Q8_0 (fp32 scale, sum of q per 32). The kernel then works in integers: the weight bytes of a
 //   block are unpacked once in registers (nibbles, 6-bit values, or signed bytes) and reused for
 //   every input row of the register tile (1..8 rows x 1..4 weight rows), multiplied with dpbusd
-//   (AVX2: maddubs + madd; u8 x i8, no saturation for any input). Q4_K and Q6_K run in their
-//   "lane layout" (repack_lanes: the same values moved within each block, done once per weight):
-//   lane j of every register holds group j, so a block's integer sums come out per group and
-//   the group scales are applied once per block in float, not once per 32 weights in int16.
+//   (AVX2: maddubs + madd; u8 x i8, no saturation for any input). Every format runs in its
+//   "lane layout" (repack_lanes, done once per weight: the same values moved within each Q4_K /
+//   Q6_K block, or 8 blocks of a 32-block format regrouped per 256 values): lane j of every
+//   register holds group j, so the integer sums come out per group and the group scales are
+//   applied once per 256 weights in float.
 //   Within a block every sum is exact; then one short float sequence per (row, output, block)
 //   adds dx * dw * isum (and the min / offset terms) into an 8-lane fp32 accumulator. What this
 //   changes numerically: x is rounded to int8 per block (relative error ~1/254 of the block's
@@ -244,7 +245,7 @@ torch::Tensor repack_lanes(int64_t qtype, const torch::Tensor& raw, int64_t K, b
 }
 
 // (q int8 [T, K], d float32 [T, K/bs], sums [T, K/16] int16 (bs 256) or [T, K/32] int32 (bs 32)):
-// the kernels' quantization of x, for tests (bs 256: the lane mode, q put back in order).
+// the kernels' quantization of x, for tests (q put back in order).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bs) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CPU float32 tensor [T, K]");
@@ -263,8 +264,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
       const q8::XChunk& xc = buf[c * T + t];
       const int64_t n = std::min<int64_t>(CHUNK, K - c * CHUNK);
       int8_t* qr = q.data_ptr<int8_t>() + t * K + c * CHUNK;
+      for (int64_t e = 0; e < n; ++e) qr[e] = xc.q[32 * (e % 32 / 4) + 4 * (e / 32) + e % 4];  // back in order
       if (mode == q8::KL) {
-        for (int e = 0; e < 256; ++e) qr[e] = xc.q[32 * (e % 32 / 4) + 4 * (e / 32) + e % 4];
         d.data_ptr<float>()[t * (K / 256) + c] = xc.d[0];
         int16_t* sr = sums.data_ptr<int16_t>() + t * (K / 16) + c * 16;
         for (int j = 0; j < 8; ++j) {
@@ -272,7 +273,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
           sr[2 * j + 1] = static_cast<int16_t>(xc.b6[8 + j] / 32);
         }
       } else {
-        for (int64_t e = 0; e < n; ++e) qr[e] = xc.q[32 * (e % 32 / 4) + 4 * (e / 32) + e % 4];
         for (int64_t b = 0; b < n / 32; ++b) {
           d.data_ptr<float>()[t * (K / 32) + c * 8 + b] = xc.d[b];
           sums.data_ptr<int32_t>()[t * (K / 32) + c * 8 + b] = xc.b6[b];
@@ -311,7 +311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[x @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)], q8 activations, one call",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0);
   m.def("repack_lanes", &repack_lanes,
-        "a copy of Q4_K / Q6_K blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
+        "a copy of GGML blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
         pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("to_lanes"),
         pybind11::arg("num_threads") = 0);
   m.def("lanes_id", []() { return q8::LANES_ID; }, "kernel type id of a lane layout = GGML type id + this");

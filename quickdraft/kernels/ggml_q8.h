@@ -50,17 +50,16 @@ namespace q8 {
 enum XMode : int { KL = 0, B32 = 1 };
 constexpr int NMODES = 2;
 
-// One input row's 256 values (one panel step), quantized. 416 bytes, 32-byte aligned. A partial
+// One input row's 256 values (one panel step), quantized. 384 bytes, 32-byte aligned. A partial
 // last chunk (B32: K not a multiple of 256) has zeros in its missing blocks.
 struct alignas(32) XChunk {
   int8_t q[256];   // permuted (above)
   float d[8];      // KL: d[0] is the scale of the 256; B32: d[j] is the scale of block j
-  float s[8];      // (unused)
   float bm[8];     // KL: d * (sum of q over 32-group j), Q4_K's min term; B32: d[j] * sum of block j's q
   int32_t b6[16];  // KL: 32 * (sum of q over 16-group 2j) at j, 16-group 2j + 1 at 8 + j (Q6_K's offset);
                    // B32: b6[j] = sum of block j's q
 };
-static_assert(sizeof(XChunk) == 416, "XChunk layout");
+static_assert(sizeof(XChunk) == 384, "XChunk layout");
 
 QD_INLINE float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -628,7 +627,6 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
 enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 // The lane layouts' ids (not GGML types): the GGML id + LANES_ID.
 constexpr int64_t LANES_ID = 1000;
-enum : int64_t { T_Q4_KL = T_Q4_K + LANES_ID, T_Q6_KL = T_Q6_K + LANES_ID };
 
 // Calls fn(F{}) for the q8 format struct of a GGML type id; false if unsupported.
 template <class Fn>
@@ -638,8 +636,8 @@ bool dispatch(int64_t qtype, Fn&& fn) {
     case T_Q4_1 + LANES_ID: fn(Q4_1L{}); return true;
     case T_Q5_0 + LANES_ID: fn(Q5_0L{}); return true;
     case T_Q8_0 + LANES_ID: fn(Q8_0L{}); return true;
-    case T_Q4_KL: fn(Q4_KL{}); return true;
-    case T_Q6_KL: fn(Q6_KL{}); return true;
+    case T_Q4_K + LANES_ID: fn(Q4_KL{}); return true;
+    case T_Q6_K + LANES_ID: fn(Q6_KL{}); return true;
     default: return false;
   }
 }
