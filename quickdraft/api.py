@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from quickdraft.config import DEFAULT_DRAFT_VOCAB
 from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.factory import DEFAULT_DRAFT_VOCAB, SpecConfig, build_drafter
+from quickdraft.spec.factory import SpecConfig, build_drafter
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]

@@ -573,6 +573,26 @@ def test_lanes_layout_switches_with_the_path(qtype):
 
 
 @requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_select_rows_keeps_the_layout_and_the_rows_outputs(qtype):
+    """select_rows (a draft model's cut output head) copies rows in the current layout: lanes stay
+    lanes (no repack), and each kept row's output is bitwise the full layer's."""
+    n, k = 20, 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 544
+    raw_np = random_raw(qtype, n, k, seed=41)
+    lin = GGMLLinear(qtype, torch.from_numpy(raw_np.copy()), k)
+    x = torch.randn(3, k)
+    full = lin(x)
+    assert lin._lanes
+    ids = torch.tensor([19, 0, 7, 8])
+    sub = lin.select_rows(ids)
+    assert sub._lanes and sub.out_features == 4 and sub.raw.data_ptr() != lin.raw.data_ptr()
+    assert torch.equal(sub(x), full[:, ids])
+    assert torch.equal(sub.ggml_raw(), torch.from_numpy(raw_np)[ids])
+    plain = GGMLLinear(qtype, torch.from_numpy(raw_np.copy()), k).select_rows(ids)  # GGML layout
+    assert not plain._lanes and torch.equal(plain(x), full[:, ids])
+
+
+@requires_kernels
 def test_linear_multi_equals_separate_calls_bitwise():
     mods, raws = _multi_layers()
     for t in (1, 3, 8, 9, 40, 70):

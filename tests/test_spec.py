@@ -437,23 +437,33 @@ def test_tiny_draft_model_matches_plain_greedy(tiny: Case, tiny_near: LoadedMode
 
 
 def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: Path) -> None:
-    """A draft whose head covers only some token ids (--draft-vocab): its logits are the full head's
-    on those ids and -inf elsewhere, it never drafts another id, and greedy output is unchanged
-    (lossless: the target decides), sampled output too for a fixed seed."""
+    """A draft whose head covers only some token ids (--draft-vocab): the N top-ranked ids, the
+    added tokens and the request's prompt ids. Its logits are the full head's on those ids and
+    -inf elsewhere, it never drafts another id, and greedy output is unchanged (lossless: the
+    target decides), sampled output too for a fixed seed."""
     from quickdraft.spec.factory import restrict_draft_vocab
 
     draft = perturbed_copy(tiny_folder, seed=5, scale=0.5)
     cache = draft.model.new_cache()
-    full, _ = draft.model(torch.tensor(tiny.prompt), cache)
-    assert restrict_draft_vocab(draft, 120)
-    keep = torch.tensor(sorted(set(range(120)) | {i for i in draft.tokenizer.backend.get_added_tokens_decoder()}))
+    prompt = torch.tensor(tiny.prompt)
+    full, _ = draft.model(prompt, cache)
+    ranks = torch.arange(tiny.vocab).flip(0)  # "most frequent" = the highest ids
+    vocab = restrict_draft_vocab(draft, 120, ranks)
+    assert vocab is not None and restrict_draft_vocab(draft, 0, ranks) is None
+    added = set(draft.tokenizer.backend.get_added_tokens_decoder())
+    top = set(range(tiny.vocab - 120, tiny.vocab))
+    assert set(vocab.for_prompt(prompt).tolist()) == top | added | set(tiny.prompt)
+    assert torch.equal(vocab.for_prompt(torch.tensor([], dtype=torch.long)), vocab.base)
+    assert vocab.apply(draft.model, prompt)
+    keep = vocab.current
+    assert keep is not None
     cache = draft.model.new_cache()
-    cut, _ = draft.model(torch.tensor(tiny.prompt), cache)
+    cut, _ = draft.model(prompt, cache)
     assert torch.equal(cut[:, keep], full[:, keep])
     others = torch.ones(tiny.vocab, dtype=torch.bool)
     others[keep] = False
-    assert bool(torch.isneginf(cut[:, others]).all())
-    drafter = DraftModelDrafter(draft.model, tiny.vocab)
+    assert bool(others.any()) and bool(torch.isneginf(cut[:, others]).all())
+    drafter = DraftModelDrafter(draft.model, tiny.vocab, vocab=vocab)
     proposed: list[int] = []
     original = drafter.propose
 
@@ -465,16 +475,53 @@ def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: 
     drafter.propose = spy  # type: ignore[method-assign]
     run = tiny.spec(drafter, 4)
     assert run.ids == tiny.truth and run.stats.drafted > 0
-    assert proposed and all(t < 120 or t in set(keep.tolist()) for t in proposed)
+    assert proposed and set(proposed) <= set(keep.tolist())
     sampled = dict(temperature=0.8, seed=3, max_tokens=24)
     assert tiny.spec(drafter, 3, **sampled).ids == tiny.spec(drafter, 3, **sampled).ids  # deterministic
     assert draft.model.set_output_vocab(None)
     cache = draft.model.new_cache()
-    assert torch.equal(draft.model(torch.tensor(tiny.prompt), cache)[0], full)
+    assert torch.equal(draft.model(prompt, cache)[0], full)
     with pytest.raises(ValueError, match="vocabulary ids"):
         draft.model.set_output_vocab(torch.tensor([0, tiny.vocab]))
     with pytest.raises(QuickdraftError, match="draft-vocab"):
         SpecConfig(draft_vocab=10)
+
+
+def test_token_ranks_count_a_corpus_and_are_cached(
+    tiny: Case, tiny_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks put the corpus's most frequent ids first (ties and unseen ids by id), and the
+    stdlib-corpus ranks are computed once per tokenizer, then read from the cache."""
+    from quickdraft.spec import vocab as vocab_mod
+
+    tok = tiny.loaded.tokenizer
+    text = "hello hello hello world world x"
+    ranks = vocab_mod.rank_tokens(tok, tiny.vocab, [text])
+    counts = torch.bincount(torch.tensor(tok.encode(text, add_special_tokens=False)), minlength=tiny.vocab)
+    assert sorted(ranks.tolist()) == list(range(tiny.vocab))
+    assert counts[ranks].tolist() == sorted(counts.tolist(), reverse=True)  # most frequent first
+    unseen = ranks[counts[ranks] == 0]
+    assert unseen.tolist() == sorted(unseen.tolist())
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
+    calls: list[int] = []
+
+    def corpus(max_chars: int = 0) -> list[str]:
+        calls.append(1)
+        return [text]
+
+    monkeypatch.setattr(vocab_mod, "stdlib_corpus", corpus)
+    first = vocab_mod.corpus_token_ranks(tok, tiny.vocab)
+    again = vocab_mod.corpus_token_ranks(tok, tiny.vocab)
+    assert torch.equal(first, ranks) and torch.equal(again, ranks) and len(calls) == 1
+    assert list((tmp_path / "token_ranks").glob("*.npy"))
+
+
+def test_stdlib_corpus_is_python_source() -> None:
+    from quickdraft.spec.vocab import stdlib_corpus
+
+    texts = stdlib_corpus(max_chars=200_000)
+    assert texts and 200_000 <= sum(map(len, texts)) < 2_000_000
+    assert sum("def " in t for t in texts) > len(texts) // 2
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from quickdraft import zoo
 from quickdraft.bench.datasets import Dataset, Item, Message
 from quickdraft.bench.metrics import Record, request_metrics
+from quickdraft.config import DEFAULT_DRAFT_VOCAB
 from quickdraft.engine import Engine, RequestStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, resolve
@@ -203,6 +204,7 @@ class MethodOptions:
     num_draft: int | None = None  # None = auto
     draft_model: str | None = None  # for the 'draft' method; default: the zoo's pairing
     simulate_tau: float | None = None
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB  # see SpecConfig.draft_vocab
 
 
 def parse_methods(text: str) -> list[str]:
@@ -291,7 +293,7 @@ def build_in_process(
         else:
             draft = draft_model_for(model_spec, opts) if m == "draft" else m
             drafter, k = build_drafter(
-                SpecConfig(draft=draft, num_draft=opts.num_draft), target, opts.dtype, say
+                SpecConfig(draft=draft, num_draft=opts.num_draft, draft_vocab=opts.draft_vocab), target, opts.dtype, say
             )
         out.append(
             InProcessContender(m, engine, drafter, k, (proc.memory_info().rss - rss) / 2**20)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from quickdraft.cli.common import DEFAULT_MODEL, info
-from quickdraft.config import DTYPE_CHOICES
+from quickdraft.config import DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_METHODS = "none,ngram,auto"
@@ -46,6 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--draft-model",
         default=None,
         help="draft model for the 'draft' method (default: the zoo's pair)",
+    )
+    g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a draft model's logits cover its N most frequent tokens + the prompt's + special tokens "
+        f"(0 = the whole vocabulary; default {DEFAULT_DRAFT_VOCAB})",
     )
     g.add_argument(
         "--num-draft",
@@ -134,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
 
     methods, endpoints = _plan(args)
     opts = runner.MethodOptions(
-        args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance
+        args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance,
+        DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab,
     )
     baseline = "none" if "none" in methods else _first_name(methods, endpoints)
     settings = runner.BenchSettings(
@@ -262,6 +271,7 @@ def _meta(
             "ignore_eos",
             "dtype",
             "num_draft",
+            "draft_vocab",
             "max_context",
             "threads",
             "simulate_acceptance",

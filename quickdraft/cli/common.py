@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from quickdraft.config import DTYPE_CHOICES
+from quickdraft.config import DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,8 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the target (folder or .safetensors; drafts trees sized per step, alongside n-gram)")
     g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="a draft model computes logits for the first N token ids (+ special tokens) only: "
-                        "cheaper draft tokens, fewer accepted, output unchanged (default: 0 = the whole vocabulary)")
+                   help="a draft model computes logits only for its N most frequent tokens, the prompt's "
+                        "tokens and the special tokens: cheaper draft tokens, a few fewer accepted, output "
+                        f"unchanged (0 = the whole vocabulary; default: {DEFAULT_DRAFT_VOCAB})")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:

@@ -152,8 +152,7 @@ class CausalLM(nn.Module):
         head = self.lm_head
         sub: nn.Module
         if isinstance(head, GGMLLinear):
-            rows = head.ggml_raw().index_select(0, ids.to(head.raw.device))
-            sub = GGMLLinear(head.qtype, rows, head.in_features, activations=head.activations)
+            sub = head.select_rows(ids)
         elif type(head) in (Linear, nn.Linear) and head.bias is None:
             sub = Linear(head.in_features, ids.numel(), bias=False, device=head.weight.device, dtype=head.weight.dtype)
             with torch.no_grad():

@@ -498,6 +498,20 @@ class GGMLLinear(nn.Module):
             _bump_epoch()
         return self._qt + LANES_ID if lanes else self._qt
 
+    def select_rows(self, ids: torch.Tensor) -> GGMLLinear:
+        """A new layer computing only output rows ``ids`` (in that order), sharing nothing with this
+        one. Rows are independent in both layouts, so the copy keeps the current one (no repack)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.raw.device)
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        bs, ts = GGML_QUANT_SIZES[self.qtype]
+        sub = GGMLLinear(self.qtype, self.raw.new_empty((0, self.in_features // bs * ts)), self.in_features,
+                         activations=self._activations)
+        sub.raw = self.raw.index_select(0, ids)
+        sub.bias = bias
+        sub.out_features = int(ids.numel())
+        sub._lanes = self._lanes
+        return sub
+
     def ggml_raw(self) -> torch.Tensor:
         """The weight's blocks in the GGML layout (raw itself, or a copy when raw holds lanes)."""
         return self._repack(self.raw, False) if self._lanes else self.raw

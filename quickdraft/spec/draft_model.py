@@ -31,6 +31,7 @@ from quickdraft.sampling import (
     sample_tokens,
 )
 from quickdraft.spec.verify import Draft
+from quickdraft.spec.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
 
 _EMPTY = torch.empty(0, dtype=torch.long)
@@ -49,10 +50,12 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
 class DraftModelDrafter:
     name = "draft"
 
-    def __init__(self, model: CausalLM, target_vocab: int, eager: bool = False) -> None:
+    def __init__(self, model: CausalLM, target_vocab: int, eager: bool = False, vocab: DraftVocab | None = None) -> None:
         """``eager``: read the prompt at prefill (the user asked for this draft model), instead of
-        at its first use (in an auto mix, where it may never be used for the request)."""
+        at its first use (in an auto mix, where it may never be used for the request). ``vocab``:
+        the ids the draft may propose (its output head is cut to them plus each prompt's ids)."""
         self.model = model
+        self.vocab = vocab
         self.eager = eager
         self.cache = model.new_cache()
         self.target_vocab = target_vocab
@@ -69,6 +72,8 @@ class DraftModelDrafter:
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         self.generator = make_generator(None if params.seed is None else params.seed + 1)
         self.cache.reset()
+        if self.vocab is not None:
+            self.vocab.apply(self.model, prompt_ids)
         self.pending = [int(t) for t in prompt_ids.tolist()]
         self._proposed = None
         if self.eager and len(self.pending) > 1:

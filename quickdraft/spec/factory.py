@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import zoo
+from quickdraft.config import DEFAULT_DRAFT_VOCAB
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.spec.base import Drafter
@@ -30,14 +31,13 @@ from quickdraft.spec.policy import (
     TargetCost,
     measure_pass_seconds,
 )
+from quickdraft.spec.vocab import DraftVocab, corpus_token_ranks
 
 # Zoo targets and the small model of the same family that drafts for them in --draft auto.
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 MAX_AUTO_K = 8
 NGRAM_PRIOR, DRAFT_PRIOR, EAGLE_PRIOR = 0.6, 0.7, 0.8
 
-
-DEFAULT_DRAFT_VOCAB = 0  # the whole vocabulary (see SpecConfig.draft_vocab)
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,18 @@ class SpecConfig:
             raise QuickdraftError(f"--draft-vocab must be 0 (the whole vocabulary) or at least 256, got {self.draft_vocab}")
 
 
-def restrict_draft_vocab(draft: LoadedModel, n: int) -> bool:
-    """Cut a draft model's output head to token ids below ``n`` plus the tokenizer's added tokens
-    (EOS, chat markers). BPE ids grow with merge order, so low ids are the frequent tokens."""
+def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None = None) -> DraftVocab | None:
+    """The output vocabulary of a draft model cut to its ``n`` most frequent tokens (``ranks``: ids
+    most frequent first; default: counted on the Python standard library, see quickdraft.spec.vocab)
+    plus the tokenizer's added tokens (EOS, chat markers); each request adds its prompt's tokens.
+    None where no cut applies (n = 0, or n covers the vocabulary)."""
     vocab = draft.config.vocab_size
     if n <= 0 or n >= vocab:
-        return False
-    added = [i for i in draft.tokenizer.backend.get_added_tokens_decoder() if n <= i < vocab]
-    return draft.model.set_output_vocab(torch.cat([torch.arange(n), torch.tensor(added, dtype=torch.long)]))
+        return None
+    if ranks is None:
+        ranks = corpus_token_ranks(draft.tokenizer, vocab)
+    added = list(draft.tokenizer.backend.get_added_tokens_decoder())
+    return DraftVocab.ranked(ranks, n, added, vocab)
 
 
 def parse_num_draft(text: str) -> int | None:
@@ -124,10 +128,13 @@ def _base_drafters(
         say(f"loading draft model {spec} ...")
         draft = load_model(spec, dtype=dtype, max_context=target.model.max_len)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
-        restrict_draft_vocab(draft, cfg.draft_vocab)
+        vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
+        if vocab is not None:
+            vocab.apply(draft.model, torch.empty(0, dtype=torch.long))  # cut before timing a step
         per_token = measure_pass_seconds(draft.model, rows=(1,))[1]
         eager = cfg.draft not in ("auto", "ngram")  # asked for by name: it drafts from the first step
-        out.append((DraftModelDrafter(draft.model, target.config.vocab_size, eager=eager), DRAFT_PRIOR, per_token))
+        drafter = DraftModelDrafter(draft.model, target.config.vocab_size, eager=eager, vocab=vocab)
+        out.append((drafter, DRAFT_PRIOR, per_token))
     return out
 
 

@@ -158,6 +158,7 @@ class AutoDrafter:
 
     def _choose(self, budget: int) -> tuple[Candidate | None, Draft | DraftTree]:
         best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (1.0 / self.cost(1), None, 0, None)
+        stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
         for c in self.candidates:
             c.idle += 1
             preview = c.drafter.propose(budget) if c.cheap else None
@@ -171,11 +172,16 @@ class AutoDrafter:
                 k, rate = limit, estimate(limit) / self.cost(limit + 1)
             else:
                 k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
-            # probe a stale drafter now and then, unless catching it up costs more than a pass
-            if k == 0 and c.idle > PROBE_EVERY and limit > 0 and self._catch_up_seconds(c) < self.cost(1):
-                k, rate = min(PROBE_K, limit), float("inf")  # probe: refresh stale estimates
+            if c.idle > PROBE_EVERY and limit > 0:
+                stale.append((c.idle, c, min(PROBE_K, limit), preview))
             if k > 0 and rate > best[0]:
                 best = (rate, c, k, preview)
+        if best[1] is None and stale:
+            # A plain step is due: probe the stalest drafter instead, so its estimates follow the
+            # text (a drafter that looked too costly once is never measured again otherwise). Its
+            # catch-up is paid now, but any later use would pay it too.
+            _, c, k, preview = max(stale, key=lambda s: s[0])
+            best = (float("inf"), c, k, preview)
         _, chosen, k, preview = best
         if chosen is None:
             return None, Draft(tokens=torch.empty(0, dtype=torch.long))
