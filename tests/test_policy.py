@@ -285,3 +285,43 @@ def test_auto_charges_a_draft_model_for_catching_up() -> None:
     assert AutoDrafter([], cost)._catch_up_seconds(
         Candidate(BehindDrafter(truth, 32), Acceptance(0.9, 8), 0.5, cheap=False)
     ) == pytest.approx(0.5 * (5.0 - 1.0))
+
+
+def test_auto_probes_a_stale_drafter_in_place_of_a_plain_step() -> None:
+    """A model drafter that looked too costly (low prior, far behind) is not left unmeasured for
+    ever: once idle past PROBE_EVERY, a step that would be plain drafts PROBE_K tokens with it
+    instead (before, a long catch-up blocked every probe, so the 0.5B draft never drafted in
+    --draft auto). A step with a paying drafter is never replaced by a probe."""
+    cost = FrozenCost({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 32: 5.0})
+    truth = list(range(100, 140))
+    behind = Candidate(BehindDrafter(truth, 32), Acceptance(0.3, 8), 0.5, cheap=False)
+    auto = AutoDrafter([behind], cost)
+    picks = [auto._choose(8) for _ in range(PROBE_EVERY + 1)]
+    assert all(c is None and d.k == 0 for c, d in picks[:PROBE_EVERY])
+    probe_choice, probe = picks[-1]
+    assert probe_choice is behind and probe.k == PROBE_K and behind.idle == 0
+    assert auto._choose(8)[1].k == 0  # measured now: plain again until the next probe is due
+
+    good = Candidate(EchoDrafter(truth), Acceptance(0.95, 8), 0.0, cheap=True)
+    stale = Candidate(BehindDrafter(truth, 32), Acceptance(0.3, 8), 0.5, cheap=False)
+    mixed = AutoDrafter([good, stale], cost)
+    stale.idle = PROBE_EVERY + 5
+    chosen, draft = mixed._choose(8)
+    assert chosen is good and draft.k > PROBE_K  # the paying drafter keeps the step
+
+
+def test_auto_takes_a_paying_free_proposal_over_a_draft_model() -> None:
+    """n-gram's proposal (already made, free) is drafted when it pays, even where the draft model's
+    higher acceptance rates a little better per step; the draft model drafts when n-gram has
+    nothing to propose."""
+    cost = FrozenCost({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6})
+    truth = list(range(100, 140))
+    free = Candidate(EchoDrafter(truth), Acceptance(0.7, 8), 0.0, cheap=True)
+    model = Candidate(BehindDrafter(truth, 1), Acceptance(0.99, 8), 0.02, cheap=False)
+    auto = AutoDrafter([free, model], cost)
+    assert best_k(cost, model, 8)[1] > best_k(cost, free, 8)[1]  # per step, the model rates higher
+    chosen, draft = auto._choose(8)
+    assert chosen is free and draft.k > 0
+    free.drafter.out = len(truth)  # nothing left to propose: an empty preview
+    chosen, draft = auto._choose(8)
+    assert chosen is model and draft.k > 0

@@ -1048,3 +1048,44 @@ def test_named_draft_model_reads_the_prompt_at_prefill_and_stays_lossless(tmp_pa
     assert out.stats.accepted > 0  # the model as its own draft: drafts are accepted
     spec.drafter.prefill(torch.tensor(plain.encode(prompt)), params)
     assert len(spec.drafter.pending) == 1  # the prompt but its last token is already in the cache
+
+
+def test_draft_model_skips_a_long_catch_up_and_stays_lossless(tiny: Case) -> None:
+    """After many steps without it (n-gram drafting), the draft model reads only the last
+    MAX_CATCH_UP missed tokens, at their true positions (a gap in its context), then drafts:
+    the output is still exactly plain greedy, and positions stay aligned with the context."""
+    from quickdraft.spec.draft_model import MAX_CATCH_UP
+
+    inner = DraftModelDrafter(tiny.loaded.model, tiny.vocab, eager=True)
+    seen: list[tuple[int, int]] = []  # (cache length + offset, tokens the draft has consumed)
+
+    class Intermittent:
+        name = "intermittent"
+
+        def __init__(self) -> None:
+            self.step = 0
+            self.total = 0
+
+        def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+            self.step, self.total = 0, len(prompt_ids)
+            inner.prefill(prompt_ids, params)
+
+        def propose(self, k: int) -> Draft:
+            self.step += 1
+            if self.step <= MAX_CATCH_UP + 6:  # a long stretch without the draft model
+                return Draft(tokens=torch.empty(0, dtype=torch.long))
+            return inner.propose(k)
+
+        def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
+            inner.commit(tokens, num_accepted)
+            self.total += len(tokens)
+            seen.append((inner.cache.length + inner.offset, self.total - len(inner.pending)))
+
+        def reset(self) -> None:
+            inner.reset()
+
+    run = tiny.spec(Intermittent(), 3)
+    assert run.ids == tiny.truth
+    assert inner.offset >= 6 and run.stats.drafted > 0
+    assert all(pos == consumed for pos, consumed in seen)
+    assert run.stats.accepted > 0  # the model drafting for itself still hits after the gap

@@ -9,7 +9,11 @@ draft has not read yet (normally just the last emitted one). Worked example, k =
     verdict n = 3, token t:   keep c d0 d1;            pending [d2, t]   (d2 was never read)
 
 If a step did not ask this drafter (speculation paused, another drafter chosen), the emitted
-tokens simply join ``pending`` and are read in one pass next time.
+tokens simply join ``pending`` and are read in one pass next time; but at most MAX_CATCH_UP of
+them: after a long stretch drafted by n-gram lookup (often a copy of the prompt), reading a
+hundred missed tokens would cost the 0.5B draft ~300 ms, several target passes. It reads the last
+MAX_CATCH_UP at their true positions instead and drafts with a gap in its context (its cache
+slots then lag the positions by ``offset``). Drafts stay lossless whatever the draft reads.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from quickdraft.spec.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+MAX_CATCH_UP = 16  # missed tokens read at most before drafting (older ones are skipped)
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
@@ -49,10 +54,11 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
 
 class DraftModelDrafter:
     name = "draft"
+    max_catch_up = MAX_CATCH_UP
 
     def __init__(self, model: CausalLM, target_vocab: int, eager: bool = False, vocab: DraftVocab | None = None) -> None:
-        """``eager``: read the prompt at prefill (the user asked for this draft model), instead of
-        at its first use (in an auto mix, where it may never be used for the request). ``vocab``:
+        """``eager``: read the prompt at prefill (as the engine's drafters do), instead of at its
+        first use (for a mix where it may never be used for the request). ``vocab``:
         the ids the draft may propose (its output head is cut to them plus each prompt's ids)."""
         self.model = model
         self.vocab = vocab
@@ -63,6 +69,7 @@ class DraftModelDrafter:
         self.params = SamplingParams()
         self.generator = make_generator(0)
         self._base = 0  # cache length before the last proposal
+        self.offset = 0  # position - cache slot: tokens skipped by capped catch-ups
         self._proposed: Tensor | None = None
         self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
 
@@ -72,6 +79,7 @@ class DraftModelDrafter:
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         self.generator = make_generator(None if params.seed is None else params.seed + 1)
         self.cache.reset()
+        self.offset = 0
         if self.vocab is not None:
             self.vocab.apply(self.model, prompt_ids)
         self.pending = [int(t) for t in prompt_ids.tolist()]
@@ -83,6 +91,9 @@ class DraftModelDrafter:
     def propose(self, k: int) -> Draft:
         if k <= 0 or not self.pending:
             return Draft(tokens=_EMPTY)
+        if len(self.pending) > MAX_CATCH_UP and self.cache.length > 0:
+            self.offset += len(self.pending) - MAX_CATCH_UP
+            self.pending = self.pending[-MAX_CATCH_UP:]
         room = self.cache.max_len - self.cache.length - len(self.pending)
         k = min(k, room)
         if k <= 0:
@@ -92,7 +103,11 @@ class DraftModelDrafter:
         tokens, qs = [], []
         for _ in range(k):
             t0 = time.perf_counter()
-            logits, _ = self.model(ids, self.cache, num_logits=1)  # [1, V_draft]
+            positions = None
+            if self.offset:
+                start = self.cache.length + self.offset
+                positions = torch.arange(start, start + ids.shape[0], device=self.model.device)
+            logits, _ = self.model(ids, self.cache, positions=positions, num_logits=1)  # [1, V_draft]
             if ids.shape[0] == 1:
                 self.last_token_seconds = time.perf_counter() - t0
             tok, q = self._pick(logits)
@@ -125,6 +140,7 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         self.cache.reset()
+        self.offset = 0
         self.pending = []
         self._proposed = None
 

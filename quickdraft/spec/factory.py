@@ -132,8 +132,10 @@ def _base_drafters(
         if vocab is not None:
             vocab.apply(draft.model, torch.empty(0, dtype=torch.long))  # cut before timing a step
         per_token = measure_pass_seconds(draft.model, rows=(1,))[1]
-        eager = cfg.draft not in ("auto", "ngram")  # asked for by name: it drafts from the first step
-        drafter = DraftModelDrafter(draft.model, target.config.vocab_size, eager=eager, vocab=vocab)
+        # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
+        # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
+        # cost model then rarely lets the draft model start at all.
+        drafter = DraftModelDrafter(draft.model, target.config.vocab_size, eager=True, vocab=vocab)
         out.append((drafter, DRAFT_PRIOR, per_token))
     return out
 
