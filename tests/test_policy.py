@@ -325,3 +325,18 @@ def test_auto_takes_a_paying_free_proposal_over_a_draft_model() -> None:
     free.drafter.out = len(truth)  # nothing left to propose: an empty preview
     chosen, draft = auto._choose(8)
     assert chosen is model and draft.k > 0
+
+
+def test_catch_up_follows_the_drafters_own_pass_costs() -> None:
+    """With its model's measured pass costs, a catch-up is priced on that curve (a small model's
+    16-row pass costs fewer one-row passes than the target's), and at most max_catch_up rows."""
+    cost = FrozenCost({1: 1.0, 16: 4.0})
+    own = TargetCost({1: 0.2, 16: 0.4})  # 16 rows: 2 one-row passes of the draft
+    truth = list(range(100, 140))
+    behind = BehindDrafter(truth, 16)
+    auto = AutoDrafter([], cost)
+    assert auto._catch_up_seconds(Candidate(behind, Acceptance(0.9, 8), 0.2, cheap=False)) == pytest.approx(0.2 * 3.0)
+    with_own = Candidate(behind, Acceptance(0.9, 8), 0.2, cheap=False, pass_cost=own)
+    assert auto._catch_up_seconds(with_own) == pytest.approx(0.2 * 1.0)
+    behind.max_catch_up = 1  # type: ignore[attr-defined]  # reads at most the last token: no catch-up
+    assert auto._catch_up_seconds(with_own) == 0.0

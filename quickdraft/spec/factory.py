@@ -20,7 +20,7 @@ from quickdraft.config import DEFAULT_DRAFT_VOCAB
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.spec.base import Drafter
-from quickdraft.spec.draft_model import DraftModelDrafter, check_same_tokenizer
+from quickdraft.spec.draft_model import MAX_CATCH_UP, DraftModelDrafter, check_same_tokenizer
 from quickdraft.spec.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.spec.eagle3.io import is_head, load_head, with_convention
 from quickdraft.spec.ngram import NGramDrafter
@@ -93,7 +93,7 @@ def build_drafter(
     if cfg.num_draft is not None and len(base) == 1:
         return base[0][0], cfg.num_draft  # fixed k, one drafter: no policy needed
     say("measuring this machine's pass costs for the speculation policy ...")
-    eagles = [d for d, _, _ in base if isinstance(d, Eagle3Drafter)]
+    eagles = [d for d, _, _, _ in base if isinstance(d, Eagle3Drafter)]
     rows = cost_rows(target.model.device) if eagles else (1, 2, 4, 8)
     cost = TargetCost(measure_pass_seconds(target.model, rows=rows))
     # An EAGLE-3 drafter sizes its own trees each step (its proposal is previewed like n-gram's,
@@ -101,23 +101,24 @@ def build_drafter(
     max_k = max([MAX_AUTO_K, *(d.shape.max_nodes for d in eagles)])
     for d in eagles:
         d.cost, d.observe_cost = cost, False
-    candidates = [Candidate(d, Acceptance(prior, max_k), per_token, cheap=per_token == 0.0)
-                  for d, prior, per_token in base]
+    candidates = [Candidate(d, Acceptance(prior, max_k), per_token, cheap=per_token == 0.0, pass_cost=curve)
+                  for d, prior, per_token, curve in base]
     return AutoDrafter(candidates, cost, fixed_k=cfg.num_draft), cfg.num_draft or max_k
 
 
 def _base_drafters(
     cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None]
-) -> list[tuple[Drafter, float, float]]:
-    """(drafter, acceptance prior, seconds per drafted token) for each drafter in play."""
-    out: list[tuple[Drafter, float, float]] = []
+) -> list[tuple[Drafter, float, float, TargetCost | None]]:
+    """(drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or
+    None) for each drafter in play."""
+    out: list[tuple[Drafter, float, float, TargetCost | None]] = []
     head = eagle3_head_path(cfg.draft)
     if cfg.draft in ("auto", "ngram") or head is not None:
-        out.append((NGramDrafter(), NGRAM_PRIOR, 0.0))
+        out.append((NGramDrafter(), NGRAM_PRIOR, 0.0, None))
     if head is not None:
         eagle = build_eagle3_drafter(head, target, cfg.num_draft, say, canary=cfg.canary, standalone=False)
         if eagle is not None:
-            out.append((eagle, EAGLE_PRIOR, 0.0))
+            out.append((eagle, EAGLE_PRIOR, 0.0, None))
             return out
         spec = _default_draft(target)  # the head failed its canary: n-gram and the zoo's draft model
     elif cfg.draft == "ngram":
@@ -131,12 +132,14 @@ def _base_drafters(
         vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
         if vocab is not None:
             vocab.apply(draft.model, torch.empty(0, dtype=torch.long))  # cut before timing a step
-        per_token = measure_pass_seconds(draft.model, rows=(1,))[1]
+        rows = tuple(r for r in (1, 2, 4, 8, 16) if r <= MAX_CATCH_UP)  # the catch-ups it may run
+        curve = TargetCost(measure_pass_seconds(draft.model, rows=rows))
+        per_token = curve(1)
         # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
         # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
         # cost model then rarely lets the draft model start at all.
         drafter = DraftModelDrafter(draft.model, target.config.vocab_size, eager=True, vocab=vocab)
-        out.append((drafter, DRAFT_PRIOR, per_token))
+        out.append((drafter, DRAFT_PRIOR, per_token, curve))
     return out
 
 
