@@ -10,8 +10,8 @@ from quickdraft.errors import QuickdraftError
 
 # --dtype values: "auto" keeps GGUF weights quantized (CPU kernels); the rest dequantize.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
-# A draft model's output head covers its this many most frequent tokens plus each prompt's tokens
-# and the special tokens (quickdraft.spec.vocab); 0 = the whole vocabulary.
+# A draft model's output head covers its this many most frequent tokens, as many first ids, each
+# prompt's tokens and the special tokens (quickdraft.spec.vocab); 0 = the whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 16384
 
 

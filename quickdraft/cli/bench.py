@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="a draft model's logits cover its N most frequent tokens + the prompt's + special tokens "
+        help="a draft model's logits cover its N most frequent tokens + the first N ids + the prompt's + special tokens "
         f"(0 = the whole vocabulary; default {DEFAULT_DRAFT_VOCAB})",
     )
     g.add_argument(

@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the target (folder or .safetensors; drafts trees sized per step, alongside n-gram)")
     g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="a draft model computes logits only for its N most frequent tokens, the prompt's "
+                   help="a draft model computes logits only for its N most frequent tokens, the first N ids, the prompt's "
                         "tokens and the special tokens: cheaper draft tokens, a few fewer accepted, output "
                         f"unchanged (0 = the whole vocabulary; default: {DEFAULT_DRAFT_VOCAB})")
 

@@ -61,15 +61,19 @@ class SpecConfig:
 
 def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None = None) -> DraftVocab | None:
     """The output vocabulary of a draft model cut to its ``n`` most frequent tokens (``ranks``: ids
-    most frequent first; default: counted on the Python standard library, see quickdraft.spec.vocab)
-    plus the tokenizer's added tokens (EOS, chat markers); each request adds its prompt's tokens.
+    most frequent first; default: counted on the Python standard library, see quickdraft.spec.vocab),
+    the first ``n`` ids and the tokenizer's added tokens (EOS, chat markers); each request adds its
+    prompt's tokens.
     None where no cut applies (n = 0, or n covers the vocabulary)."""
     vocab = draft.config.vocab_size
     if n <= 0 or n >= vocab:
         return None
     if ranks is None:
         ranks = corpus_token_ranks(draft.tokenizer, vocab)
-    added = list(draft.tokenizer.backend.get_added_tokens_decoder())
+    # the first n ids too: BPE merge order ranks the tokenizer's own (mostly prose) training text,
+    # which the code-heavy stdlib counts miss (80 HumanEval / 20 MT-bench answers: 93.2% / 74.3% of
+    # tokens in the stdlib top 16384; 95.5% / 85.8% with ids < 16384 added, 24.7k rows in all)
+    added = list(draft.tokenizer.backend.get_added_tokens_decoder()) + list(range(n))
     return DraftVocab.ranked(ranks, n, added, vocab)
 
 

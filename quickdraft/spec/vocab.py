@@ -5,13 +5,15 @@ head is 145 MB of its ~415 MB read per token. Any draft distribution keeps specu
 lossless (the target decides every token), so a draft model may compute logits for a subset of
 the vocabulary only; it then never proposes the other tokens, and the cost is a little acceptance.
 
-Which subset: the ``n`` tokens most frequent in a corpus, plus every token of the request's prompt
+Which subset: the ``n`` tokens most frequent in a corpus, the first ``n`` ids (BPE merge order, which
+ranks the tokenizer's own mostly-prose training text), plus every token of the request's prompt
 (identifiers, quoted text and markup the answer tends to repeat), plus the tokenizer's added tokens
 (EOS, chat markers). The default corpus is the Python standard library's own source (code and
 English docstrings), present wherever quickdraft runs; its counts are computed once per tokenizer
 (~2 s) and cached. Measured on 80 HumanEval answers of Qwen2.5-Coder-1.5B: the 16,384 most
 frequent stdlib tokens cover 92.9% of the answer tokens, 99.3% with the prompt's tokens; the first
-16,384 ids (BPE merge order) cover 90.9%.
+16,384 ids (BPE merge order) cover 90.9%. On 20 MT-bench answers the stdlib top 16,384 cover 74%,
+the first 16,384 ids 84%, both together 86% (24.7k rows).
 """
 
 from __future__ import annotations
