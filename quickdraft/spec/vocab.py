@@ -93,8 +93,9 @@ class DraftVocab:
         self.current: Tensor | None = None  # the ids the model's head covers now
 
     @classmethod
-    def ranked(cls, ranks: Tensor, n: int, added: Sequence[int], vocab_size: int) -> DraftVocab:
-        extra = torch.tensor([i for i in added if 0 <= i < vocab_size], dtype=torch.long)
+    def ranked(cls, ranks: Tensor, n: int, always: Sequence[int], vocab_size: int) -> DraftVocab:
+        """The ``n`` first ids of ``ranks`` and the ids ``always`` (added tokens, ...)."""
+        extra = torch.tensor([i for i in always if 0 <= i < vocab_size], dtype=torch.long)
         return cls(torch.cat([ranks[:n].long(), extra]), vocab_size)
 
     def for_prompt(self, prompt_ids: Tensor) -> Tensor:
