@@ -14,6 +14,8 @@ Sections:
   passes       a random model with Qwen2.5-Coder-1.5B's shape in bf16: time of 1..64-row passes
                (the cost model's input: how many drafted tokens a verification can afford on a GPU)
                and plain decode tokens/s, eager vs torch.compile
+  graphs       CUDA graphs for decode/verify passes: greedy output with them == without (plain,
+               n-gram) on tiny models, and 1..16-row pass times eager vs replayed at 1.5B shape
   fp8          FP8Linear (E4M3, per-channel scales) on the device: torch._scaled_mm where the
                GPU has FP8 (sm89+) vs dequantizing, error vs bf16, time at 1/8/64 rows
   tp           tensor parallelism over NCCL when the machine has >= 2 GPUs
@@ -68,8 +70,10 @@ def timed(fn: Callable[[], Any], device: str, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def greedy(model: Any, tokenizer: Any, prompt: list[int], n: int, drafter: Any = None, k: int = 0) -> tuple[list[int], float]:
-    engine = Engine(model, tokenizer)
+def greedy(
+    model: Any, tokenizer: Any, prompt: list[int], n: int, drafter: Any = None, k: int = 0, cuda_graphs: str = "auto"
+) -> tuple[list[int], float]:
+    engine = Engine(model, tokenizer, cuda_graphs=cuda_graphs)
     out: list[int] = []
     step = None
     for step in engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), drafter, k):
@@ -245,13 +249,71 @@ def check_tp(device: str, quick: bool) -> dict[str, Any]:
         return {"returncode": proc.returncode, "stdout": proc.stdout[-500:], "stderr": proc.stderr[-1500:]}
 
 
+def check_graphs(device: str, quick: bool) -> dict[str, Any]:
+    """CUDA graphs (quickdraft/models/graphs.py): greedy output with and without them (plain,
+    n-gram, a tree-drafting oracle), and decode / verify pass times, eager vs replayed."""
+    from tiny import make_tiny_hf_model
+
+    from quickdraft.models.graphs import StepGraphs
+    from quickdraft.spec.ngram import NGramDrafter
+
+    out: dict[str, Any] = {}
+    capture = torch.device(device).type == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen2", "qwen3")[: 1 if quick else 3]:
+            loaded = load_model(str(make_tiny_hf_model(Path(tmp), arch)), dtype="float32", device=device, max_context=256)
+            prompt = loaded.tokenizer.encode("def fibonacci(n): return fibonacci(n - 1) + fibonacci(n - 2)")
+            eager, _ = greedy(loaded.model, loaded.tokenizer, prompt, 48, cuda_graphs="off")
+            engine = Engine(loaded.model, loaded.tokenizer, cuda_graphs="on")
+            params = SamplingParams(max_tokens=48, ignore_eos=True)
+            plain = [t for st in engine.generate(prompt, params) for t in st.token_ids]
+            ngram = [t for st in engine.generate(prompt, params, NGramDrafter(), 4) for t in st.token_ids]
+            g = engine.graphs
+            out[arch] = {
+                "graphs_on": g is not None, "disabled": g.disabled if g else None,
+                "replays": g.replays if g else 0, "shapes": len(g._graphs) if g else 0,
+                "plain_identical_to_eager": plain == eager, "ngram_identical_to_eager": ngram == eager,
+            }
+    dtype = torch.bfloat16 if capture else torch.float32
+    model = random_model(device, dtype, quick)
+    cache = model.new_cache()
+    graphs = StepGraphs(model, cache, capture=capture)
+    ctx = torch.randint(0, 1000, (256,), device=device)
+    repeats = 3 if quick else 20
+    times: dict[str, dict[int, float]] = {"eager_ms": {}, "graph_ms": {}}
+    for rows in (1, 2, 4, 8, 16):
+        ids = torch.randint(0, 1000, (rows,), device=device)
+        cache.reset()
+        model(ctx, cache)
+
+        def eager_pass(ids: torch.Tensor = ids) -> None:
+            cache.truncate(256)
+            model(ids, cache)
+
+        def graph_pass(ids: torch.Tensor = ids) -> None:
+            cache.truncate(256)
+            graphs.run(ids, None, None, (), None)
+
+        times["eager_ms"][rows] = timed(eager_pass, device, repeats) * 1e3
+        times["graph_ms"][rows] = timed(graph_pass, device, repeats) * 1e3
+        cache.truncate(256)
+        want, _ = model(ids, cache)
+        cache.truncate(256)
+        got = graphs.run(ids, None, None, (), None)
+        times.setdefault("max_abs_logit_diff", {})[rows] = float((got[0] - want).abs().max()) if got else None
+    out["passes"] = times
+    out["speedup_1_row"] = times["eager_ms"][1] / times["graph_ms"][1]
+    out["disabled"] = graphs.disabled
+    return out
+
+
 def check_compiled(device: str, quick: bool) -> dict[str, Any]:
     """The passes again through torch.compile (last: a failing compile can leave torch in a bad state)."""
     return check_passes(device, quick, compile_model=True)
 
 
-SECTIONS = {"correctness": check_correctness, "ggml": check_ggml, "passes": check_passes, "fp8": check_fp8,
-            "tp": check_tp, "compiled": check_compiled}
+SECTIONS = {"correctness": check_correctness, "ggml": check_ggml, "passes": check_passes, "graphs": check_graphs,
+            "fp8": check_fp8, "tp": check_tp, "compiled": check_compiled}
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from quickdraft.config import DEFAULT_DRAFT_VOCAB
+from quickdraft.config import DEFAULT_DRAFT_VOCAB, resolve_device
 from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
@@ -60,16 +60,22 @@ class LLM:
         log: Callable[[str], None] = lambda _msg: None,
         canary: bool = True,
         draft_vocab: int | None = None,
+        device: str = "auto",
+        cuda_graphs: str = "auto",
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
         .safetensors; ``canary=False`` skips its load-time check). ``num_draft``: fixed k, or None = auto.
         ``draft_vocab``: a draft model's logits cover this many token ids (+ special tokens; None or 0 =
         all, the default). ``tensor_parallel``: split the target over this many processes (see
-        quickdraft.parallel)."""
+        quickdraft.parallel). ``device``: cpu, cuda, cuda:N or auto (CUDA when there is one).
+        ``cuda_graphs``: replay decode/verify passes as CUDA graphs: auto (where they apply), on, off."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
                           draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab)
+        where = resolve_device(device)
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise QuickdraftError(f"--cuda-graphs must be auto, on or off, got {cuda_graphs!r}")
         if tensor_parallel < 1:
             raise QuickdraftError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
         if tensor_parallel > 1:  # ranks share the cores; under torchrun, ranks > 0 stay in here
@@ -80,9 +86,9 @@ class LLM:
                 model, tensor_parallel, dtype, max_context=max_context, threads=self.threads
             )
         else:
-            self.target = load_model(model, dtype=dtype, max_context=max_context)
+            self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context)
         self.tokenizer = self.target.tokenizer
-        self.engine = Engine(self.target.model, self.tokenizer)
+        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs)
         self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log)
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quickdraft.errors import QuickdraftError
 
+if TYPE_CHECKING:
+    import torch
+
 # --dtype values: "auto" keeps GGUF weights quantized (CPU kernels); the rest dequantize.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+DEVICES = ("auto", "cpu", "cuda")  # --device (and cuda:N)
 # A draft model's output head covers its this many most frequent tokens, as many first ids, each
 # prompt's tokens and the special tokens (quickdraft.spec.vocab); 0 = the whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 16384
@@ -286,3 +290,31 @@ def _phi3_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     elif kind != "default":
         raise QuickdraftError(f"Phi-3 rope_scaling type {kind!r} is not supported (supported: longrope)")
     return out
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a clear
+    error when CUDA is asked for but not usable here."""
+    import torch
+
+    key = name.strip().lower()
+    if key == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if key == "cpu":
+        return torch.device("cpu")
+    if key == "cuda" or key.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise QuickdraftError(
+                f"--device {name}: CUDA is not available ({why}; torch {torch.__version__}); "
+                "use --device cpu, or --device auto to pick CUDA only when it is there"
+            )
+        try:
+            device = torch.device(key)
+        except RuntimeError:
+            raise QuickdraftError(f"--device {name!r} is not a device name like cuda or cuda:0") from None
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise QuickdraftError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return device
+    raise QuickdraftError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), got {name!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ import torch
 
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.graphs import make_step_graphs
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
@@ -143,15 +145,24 @@ class _Request:
         return torch.tensor(self.output, dtype=torch.long)
 
 
+def _warn(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
 class Engine:
     """Generates for one sequence at a time with a target model and an optional drafter."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, max_len: int | None = None) -> None:
-        """``max_len``: KV cache length (default: the model's context; shorter for scratch runs)."""
+    def __init__(
+        self, model: CausalLM, tokenizer: Tokenizer, max_len: int | None = None, cuda_graphs: str = "auto"
+    ) -> None:
+        """``max_len``: KV cache length (default: the model's context; shorter for scratch runs).
+        ``cuda_graphs``: replay decode/verify passes as CUDA graphs ('auto': where the model is on
+        a CUDA device and supports them; 'on': the same, warning where it cannot; 'off')."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache() if max_len is None else model.make_cache(max_len)
         self.device = model.device
+        self.graphs = make_step_graphs(model, self.cache, cuda_graphs, warn=_warn)
 
     def generate(
         self,
@@ -240,6 +251,10 @@ class Engine:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One target pass, capturing the drafter's feature layers if it has any."""
         capture = tuple(sorted(set(req.capture)))  # the model returns them in layer order
+        if self.graphs is not None:
+            out = self.graphs.run(ids, positions, mask, capture, num_logits)
+            if out is not None:
+                return out
         return self.model(ids, self.cache, positions=positions, mask=mask, capture=capture, num_logits=num_logits)
 
     def _features(self, req: _Request, captured: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor | None:

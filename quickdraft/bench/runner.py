@@ -205,6 +205,7 @@ class MethodOptions:
     draft_model: str | None = None  # for the 'draft' method; default: the zoo's pairing
     simulate_tau: float | None = None
     draft_vocab: int = DEFAULT_DRAFT_VOCAB  # see SpecConfig.draft_vocab
+    cuda_graphs: str = "auto"  # see Engine
 
 
 def parse_methods(text: str) -> list[str]:
@@ -282,7 +283,7 @@ def build_in_process(
     say: Callable[[str], None],
 ) -> list[InProcessContender]:
     """One contender per method over ONE loaded target (draft models are loaded per method)."""
-    engine = Engine(target.model, target.tokenizer)
+    engine = Engine(target.model, target.tokenizer, cuda_graphs=opts.cuda_graphs)
     proc = psutil.Process()
     out: list[InProcessContender] = []
     for m in methods:

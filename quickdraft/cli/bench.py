@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from quickdraft.cli.common import DEFAULT_MODEL, info
+from quickdraft.cli.common import DEFAULT_MODEL, add_device_args, info
 from quickdraft.config import DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 
@@ -74,6 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--threads", type=int, default=None, help="compute threads (default: physical cores)"
     )
+    add_device_args(g)
     g.add_argument(
         "--simulate-acceptance",
         type=float,
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     methods, endpoints = _plan(args)
     opts = runner.MethodOptions(
         args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance,
-        DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab,
+        DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab, args.cuda_graphs,
     )
     baseline = "none" if "none" in methods else _first_name(methods, endpoints)
     settings = runner.BenchSettings(
@@ -237,6 +238,8 @@ def _contenders(
             dtype=args.dtype,
             max_context=args.max_context,
             threads=args.threads,
+            device=args.device,
+            cuda_graphs=args.cuda_graphs,
         )
         info(
             f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}), {llm.threads} threads"
@@ -274,6 +277,8 @@ def _meta(
             "draft_vocab",
             "max_context",
             "threads",
+            "device",
+            "cuda_graphs",
             "simulate_acceptance",
         )
     }

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from quickdraft.config import DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
+from quickdraft.config import DEFAULT_DRAFT_VOCAB, DEVICES, DTYPE_CHOICES
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    add_device_args(g)
     g.add_argument("--tensor-parallel", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N processes (gloo on CPU, NCCL on GPUs); under torchrun "
                         "use the same N as --nproc-per-node (default: 1)")
@@ -39,6 +40,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a draft model computes logits only for its N most frequent tokens, the first N ids, the prompt's "
                         "tokens and the special tokens: cheaper draft tokens, a few fewer accepted, output "
                         f"unchanged (0 = the whole vocabulary; default: {DEFAULT_DRAFT_VOCAB})")
+
+
+def add_device_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + "}",
+                   help="where the model runs: cpu, cuda (or cuda:N), or auto = cuda when there is one (default)")
+    g.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="replay decode and verify passes as CUDA graphs (auto: on CUDA where the model's "
+                        "layers allow it; default)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
@@ -74,7 +83,8 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     llm = LLM(args.model, draft=args.draft, num_draft=num_draft, dtype=args.dtype,
               max_context=args.max_context, threads=args.threads,
               tensor_parallel=getattr(args, "tensor_parallel", 1), log=say,
-              draft_vocab=getattr(args, "draft_vocab", None))
+              draft_vocab=getattr(args, "draft_vocab", None), device=getattr(args, "device", "auto"),
+              cuda_graphs=getattr(args, "cuda_graphs", "auto"))
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
     return llm
 

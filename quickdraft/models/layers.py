@@ -166,6 +166,9 @@ class Step:
     cache: KVCache
     tree: bool = False  # mask is not causal: short passes gather each row's visible slots
     row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i
+    # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
+    # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
+    slots: torch.Tensor | None = None
     _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
         default_factory=dict, repr=False
     )
@@ -241,6 +244,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         cache = step.cache
+        if step.slots is not None:  # static shapes: write by slot tensor, attend over L slots
+            kc, vc = cache.k_layers[layer], cache.v_layers[layer]
+            kc.index_copy_(1, step.slots, k.to(kc.dtype))
+            vc.index_copy_(1, step.slots, v.to(vc.dtype))
+            assert step.mask is not None
+            n = step.mask.shape[1]
+            out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
+            return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
         if t <= BLOCKED_MAX_ROWS and (ops := _fused_ops(q, cache.k)) is not None:
             # decode / verify rows: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)

@@ -120,6 +120,35 @@ class CausalLM(nn.Module):
             x = x[-num_logits:]
         return self.logits(x), captured
 
+    @torch.inference_mode()
+    def forward_static(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward` with static shapes and no host-side decisions, for CUDA graphs.
+
+        Writes the keys/values of ``ids`` [T] at cache ``slots`` [T] (RoPE ``positions`` [T]) and
+        lets row i attend to slot j of the first L slots where ``mask`` [T, L] is True. Leaves
+        ``cache.length`` alone (the caller advances it). Logits of every row, float32 [T, V].
+        Only for models whose layers take the shared :class:`Step` path (see
+        :func:`quickdraft.models.graphs.supports_static`).
+        """
+        step = Step(positions=positions, start=0, mask=mask, cache=cache, slots=slots)
+        x = self.embed(ids)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                captured.append(x)
+            x = layer(x, i, step)
+        if len(self.model.layers) in capture:
+            captured.append(x)
+        return self.logits(x), captured
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, H]."""
         return self.model.embed_tokens(ids)

@@ -132,7 +132,7 @@ def _base_drafters(
         spec = cfg.draft if cfg.draft != "auto" else _default_draft(target)
     if spec is not None:
         say(f"loading draft model {spec} ...")
-        draft = load_model(spec, dtype=dtype, max_context=target.model.max_len)
+        draft = load_model(spec, dtype=dtype, device=str(target.model.device), max_context=target.model.max_len)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
         vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
         if vocab is not None:

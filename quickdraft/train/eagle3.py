@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from quickdraft.config import DEVICES, resolve_device  # noqa: F401 (re-exported for the trainer's callers)
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.llama import CausalLM
 from quickdraft.spec.eagle3.head import Eagle3Config, Eagle3Head
@@ -59,7 +60,6 @@ from quickdraft.train.vocab import target_to_draft
 LOSSES = ("ce", "kl")
 SCHEDULES = ("cosine", "linear", "constant")
 TRAIN_DTYPES = ("float32", "bfloat16")  # the forward's matmuls; weights and AdamW stay float32
-DEVICES = ("auto", "cpu", "cuda")
 CHECKPOINT_FILE = "state.pt"
 
 
@@ -104,30 +104,6 @@ class TrainConfig:
                 raise QuickdraftError(message)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a clear
-    error when CUDA is asked for but not usable here."""
-    key = name.strip().lower()
-    if key == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if key == "cpu":
-        return torch.device("cpu")
-    if key == "cuda" or key.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
-                   else "no CUDA GPU is visible")
-            raise QuickdraftError(
-                f"--device {name}: CUDA is not available ({why}; torch {torch.__version__}); "
-                "use --device cpu, or --device auto to pick CUDA only when it is there"
-            )
-        try:
-            device = torch.device(key)
-        except RuntimeError:
-            raise QuickdraftError(f"--device {name!r} is not a device name like cuda or cuda:0") from None
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise QuickdraftError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return device
-    raise QuickdraftError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), got {name!r}")
 
 
 def autocast(cfg: TrainConfig, device: torch.device) -> torch.autocast:
