@@ -492,6 +492,7 @@ inline void repack_lanes32(int64_t qtype, const uint8_t* src, uint8_t* dst, int6
 constexpr int TT_MAX = 8;  // input rows per register tile
 constexpr int TB = 64;     // input rows per accumulator block
 constexpr int64_t PF_L1_MAX = 1152;  // bytes per panel step up to which decode prefetches into L1
+constexpr int64_t PF_L1_PANEL = 16384;  // ... and bytes per panel (a longer one is evicted before use)
 constexpr int64_t PF_AHEAD = 1;  // a panel prefetches the panel this many ahead (same work item)
 
 // Weight rows per tile of TT input rows: TT * NN int32 accumulators stay in registers.
@@ -601,8 +602,10 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
             std::min(q + g.pf_step, g.W + std::min<int64_t>(g.N, n0 + (PF_AHEAD + 1) * NP) * g.row_bytes);
         // into L1 for 1-2 rows of a format with small steps (Q4_K, Q4_0: 1152 bytes), else into L2
         // (measured: Q4_K 4 rows 15% faster, 1 row 8% slower with L2; Q8_0 / Q6_K 1 row ~2x / 10%
-        // slower with L1: their larger steps evict the panel being read)
-        if (T <= 2 && g.pf_step <= PF_L1_MAX)
+        // slower with L1: their larger steps evict the panel being read). A panel longer than
+        // PF_L1_PANEL (the 1.5B's Q4_K ffn_down, K = 8960: 40 KB) goes to L2 too: prefetched a
+        // whole panel ahead it would leave L1 before use (measured: those layers 21-26% faster).
+        if (T <= 2 && g.pf_step <= PF_L1_MAX && NP * g.row_bytes <= PF_L1_PANEL)
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
         else
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
@@ -679,9 +682,11 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   XChunk* base = reinterpret_cast<XChunk*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) / 64 * 64);
   XChunk* xq[NMODES] = {};
   for (int k = 0; k < nmodes; ++k) xq[modes[k]] = base + k * per_mode;
-  // Work items: runs of consecutive panels of one job (~8 runs per thread over the whole call).
+  // Work items: runs of consecutive panels of one job, ~2 per thread over the whole call. A run's
+  // first panel starts cold (its prefetch chain begins there): with 8 runs per thread the 1.5B's
+  // linears took 13% longer at 1 row (the 0.5B's 10%), and 1 run per thread was no faster than 2.
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-  const int64_t run = std::max<int64_t>(1, panels / (8 * nt));
+  const int64_t run = std::max<int64_t>(1, (panels + 2 * nt - 1) / (2 * nt));
   struct Item {
     int job;
     int64_t p0, p1;
