@@ -89,6 +89,8 @@ class LLM:
             self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context)
         self.tokenizer = self.target.tokenizer
         self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs)
+        if tensor_parallel == 1:
+            self.engine.warm_up()
         self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log)
 
     def encode(self, prompt: Prompt) -> list[int]:

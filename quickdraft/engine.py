@@ -164,6 +164,12 @@ class Engine:
         self.device = model.device
         self.graphs = make_step_graphs(model, self.cache, cuda_graphs, warn=_warn)
 
+    def warm_up(self) -> None:
+        """One token through the model on a scratch cache, so that one-time work (quantized weights
+        repacked for the kernels: ~2.5 s for a 1.5B model; the native stack built) happens at
+        load time instead of in the first request's time to first token."""
+        self.model(torch.zeros(1, dtype=torch.long, device=self.device), self.model.make_cache(1))
+
     def generate(
         self,
         prompt_ids: Sequence[int],

@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.loading.gguf_file import GGUFFile
+from quickdraft.loading.gguf_file import GGUFFile, release_pages
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
@@ -204,7 +204,9 @@ def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTe
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
         raw = _unpermute(raw, heads)  # a permutation of whole rows, so blocks stay intact
     n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-    return QuantTensor(t.tensor_type, torch.from_numpy(np.array(raw, dtype=np.uint8)), (n, k))
+    copy = torch.from_numpy(np.array(raw, dtype=np.uint8))
+    release_pages(t.data)
+    return QuantTensor(t.tensor_type, copy, (n, k))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -8,6 +8,7 @@ GGUFReader gives, so ``gguf.quants.dequantize`` works on it unchanged.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -177,3 +178,23 @@ class GGUFFile:
         else:
             data = raw.reshape(*rows_shape[:-1], dims[0] // block * type_size)
         return TensorInfo(name, tuple(dims), qtype, data)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Drop the pages under ``view``, a slice of a :class:`GGUFFile` memory map, from this process's
+    resident set once its bytes were copied out (the page cache keeps them; touching the view again
+    just maps them back). Without it a model's load briefly holds the file twice: its mapped pages
+    and the copies. Does nothing for arrays that are not memory-mapped."""
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    mm = root.base
+    if not isinstance(mm, mmap.mmap) or not hasattr(mm, "madvise") or view.nbytes == 0:
+        return
+    start = view.ctypes.data - root.ctypes.data
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, lo, start + view.nbytes - lo)
+    except (OSError, ValueError):  # not supported here: the pages simply stay until the map closes
+        pass
+
