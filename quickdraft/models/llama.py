@@ -108,13 +108,7 @@ class CausalLM(nn.Module):
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
             x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))
         else:
-            captured = []
-            for i, layer in enumerate(self.model.layers):
-                if i in capture:
-                    captured.append(x)
-                x = layer(x, i, step)
-            if len(self.model.layers) in capture:
-                captured.append(x)
+            x, captured = self._layers(x, step, capture)
         cache.advance(t)
         if num_logits is not None:
             x = x[-num_logits:]
@@ -139,7 +133,11 @@ class CausalLM(nn.Module):
         :func:`quickdraft.models.graphs.supports_static`).
         """
         step = Step(positions=positions, start=0, mask=mask, cache=cache, slots=slots)
-        x = self.embed(ids)
+        x, captured = self._layers(self.embed(ids), step, capture)
+        return self.logits(x), captured
+
+    def _layers(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every decoder layer in turn (Python), with the inputs of the ``capture`` layers."""
         captured = []
         for i, layer in enumerate(self.model.layers):
             if i in capture:
@@ -147,7 +145,7 @@ class CausalLM(nn.Module):
             x = layer(x, i, step)
         if len(self.model.layers) in capture:
             captured.append(x)
-        return self.logits(x), captured
+        return x, captured
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, H]."""
