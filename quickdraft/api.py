@@ -16,7 +16,7 @@ import psutil
 import torch
 
 from quickdraft.config import DEFAULT_DRAFT_VOCAB, resolve_device
-from quickdraft.engine import Engine, RequestStats, StepOutput
+from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
@@ -57,7 +57,7 @@ class LLM:
         max_context: int | None = None,
         threads: int | None = None,
         tensor_parallel: int = 1,
-        log: Callable[[str], None] = lambda _msg: None,
+        log: Callable[[str], None] | None = None,
         canary: bool = True,
         draft_vocab: int | None = None,
         device: str = "auto",
@@ -88,10 +88,10 @@ class LLM:
         else:
             self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context)
         self.tokenizer = self.target.tokenizer
-        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs)
+        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs, warn=log or runtime_warning)
         if tensor_parallel == 1:
             self.engine.warm_up()
-        self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log)
+        self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log or (lambda _msg: None))
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -145,7 +145,8 @@ class _Request:
         return torch.tensor(self.output, dtype=torch.long)
 
 
-def _warn(msg: str) -> None:
+def runtime_warning(msg: str) -> None:
+    """Say ``msg`` as a RuntimeWarning (the default way the engine reports a setting it cannot honour)."""
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
@@ -153,16 +154,22 @@ class Engine:
     """Generates for one sequence at a time with a target model and an optional drafter."""
 
     def __init__(
-        self, model: CausalLM, tokenizer: Tokenizer, max_len: int | None = None, cuda_graphs: str = "auto"
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        max_len: int | None = None,
+        cuda_graphs: str = "auto",
+        warn: Callable[[str], None] = runtime_warning,
     ) -> None:
         """``max_len``: KV cache length (default: the model's context; shorter for scratch runs).
         ``cuda_graphs``: replay decode/verify passes as CUDA graphs ('auto': where the model is on
-        a CUDA device and supports them; 'on': the same, warning where it cannot; 'off')."""
+        a CUDA device and supports them; 'on': the same, saying through ``warn`` where it cannot;
+        'off')."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache() if max_len is None else model.make_cache(max_len)
         self.device = model.device
-        self.graphs = make_step_graphs(model, self.cache, cuda_graphs, warn=_warn)
+        self.graphs = make_step_graphs(model, self.cache, cuda_graphs, warn=warn)
 
     def warm_up(self) -> None:
         """One token through the model on a scratch cache, so that one-time work (quantized weights

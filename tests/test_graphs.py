@@ -188,3 +188,21 @@ def test_what_static_passes_refuse(root: Path) -> None:
     with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
         make_step_graphs(llama.model, cache, "yes")
     assert Engine(llama.model, llama.tokenizer).graphs is None
+
+
+def test_llm_device_and_cuda_graph_options(root: Path) -> None:
+    from quickdraft.api import LLM
+    from quickdraft.errors import QuickdraftError
+
+    folder = make_tiny_hf_model(root, "llama", seed=4, name="llama-llm")
+    said: list[str] = []
+    llm = LLM(str(folder), draft="none", dtype="float32", max_context=64, threads=1, cuda_graphs="on", log=said.append)
+    assert llm.engine.graphs is None and "CUDA graphs not used: the model is not on a CUDA device" in said
+    assert llm.target.model.device == torch.device("cpu")  # device "auto" without a GPU
+    with pytest.raises(QuickdraftError, match="--cuda-graphs must be auto, on or off"):
+        LLM(str(folder), draft="none", cuda_graphs="yes")
+    with pytest.raises(QuickdraftError, match="--device must be one of"):
+        LLM(str(folder), draft="none", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(QuickdraftError, match="CUDA is not available"):
+            LLM(str(folder), draft="none", device="cuda")
