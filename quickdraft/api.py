@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from quickdraft.config import DEFAULT_DRAFT_VOCAB, resolve_device
+from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_VOCAB, resolve_device
 from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
@@ -74,7 +74,7 @@ class LLM:
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
                           draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab)
         where = resolve_device(device)
-        if cuda_graphs not in ("auto", "on", "off"):
+        if cuda_graphs not in CUDA_GRAPH_MODES:
             raise QuickdraftError(f"--cuda-graphs must be auto, on or off, got {cuda_graphs!r}")
         if tensor_parallel < 1:
             raise QuickdraftError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")

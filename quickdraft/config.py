@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 # --dtype values: "auto" keeps GGUF weights quantized (CPU kernels); the rest dequantize.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")  # --device (and cuda:N)
+CUDA_GRAPH_MODES = ("auto", "on", "off")  # --cuda-graphs
 # A draft model's output head covers its this many most frequent tokens, as many first ids, each
 # prompt's tokens and the special tokens (quickdraft.spec.vocab); 0 = the whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 16384

@@ -16,6 +16,7 @@ import torch
 from tiny import IM_END_ID, make_tiny_hf_model
 
 from quickdraft.cli.main import main
+from quickdraft.config import resolve_device
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.spec.eagle3.head import Eagle3Config
@@ -31,7 +32,6 @@ from quickdraft.train.eagle3 import (
     epoch_batches,
     init_head,
     lr_at,
-    resolve_device,
     ttt_loss,
     unroll,
 )

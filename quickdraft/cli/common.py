@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from quickdraft.config import DEFAULT_DRAFT_VOCAB, DEVICES, DTYPE_CHOICES
+from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_VOCAB, DEVICES, DTYPE_CHOICES
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_device_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + "}",
                    help="where the model runs: cpu, cuda (or cuda:N), or auto = cuda when there is one (default)")
-    g.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+    g.add_argument("--cuda-graphs", default="auto", choices=CUDA_GRAPH_MODES,
                    help="replay decode and verify passes as CUDA graphs (auto: on CUDA where the model's "
                         "layers allow it; default)")
 

@@ -15,10 +15,10 @@ import argparse
 from pathlib import Path
 
 from quickdraft.cli.common import info
-from quickdraft.config import DTYPE_CHOICES
+from quickdraft.config import DEVICES, DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 from quickdraft.train.data import SOURCES
-from quickdraft.train.eagle3 import DEVICES, LOSSES, SCHEDULES, TRAIN_DTYPES, TrainConfig
+from quickdraft.train.eagle3 import LOSSES, SCHEDULES, TRAIN_DTYPES, TrainConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quickdraft.cache import KVCache
+from quickdraft.config import CUDA_GRAPH_MODES
 from quickdraft.models.layers import MLP, Attention, DecoderLayer
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def make_step_graphs(
 ) -> StepGraphs | None:
     """The engine's graphs for ``mode`` 'auto' (on for CUDA models that support them), 'on' (the
     same, but saying why where they cannot be used) or 'off'."""
-    if mode not in ("auto", "on", "off"):
+    if mode not in CUDA_GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
         return None

@@ -25,7 +25,7 @@ Checkpoints hold the head, AdamW's state, the step and the data position; the ba
 epoch is a pure function of (seed, epoch), so a resumed run continues with exactly the batches
 (and parameters) an uninterrupted run would have had.
 
-Device and precision: the trainer runs where the head is (``resolve_device``: cpu, cuda or auto);
+Device and precision: the trainer runs where the head is (``quickdraft.config.resolve_device``: cpu, cuda or auto);
 batches are assembled on the CPU from the memory-mapped shards and moved there, the frozen
 embedding and AdamW's state live there. ``train_dtype="bfloat16"`` runs the forward (and so the
 backward's matmuls) under autocast with float32 master weights and optimizer; on the 2-core
@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from quickdraft.config import DEVICES, resolve_device  # noqa: F401 (re-exported for the trainer's callers)
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.llama import CausalLM
 from quickdraft.spec.eagle3.head import Eagle3Config, Eagle3Head
@@ -102,8 +101,6 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise QuickdraftError(message)
-
-
 
 
 def autocast(cfg: TrainConfig, device: torch.device) -> torch.autocast:

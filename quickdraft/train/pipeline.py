@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from quickdraft.config import resolve_device
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.llama import CausalLM
@@ -41,7 +42,6 @@ from quickdraft.train.eagle3 import (
     dense_weight,
     export_head,
     init_head,
-    resolve_device,
     write_json,
 )
 from quickdraft.train.vocab import build_vocab, coverage, special_ids, token_counts
