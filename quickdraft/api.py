@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_VOCAB, resolve_device
+from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB, resolve_device
 from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
@@ -62,6 +62,7 @@ class LLM:
         draft_vocab: int | None = None,
         device: str = "auto",
         cuda_graphs: str = "auto",
+        draft_confidence: float | None = None,
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
@@ -69,10 +70,13 @@ class LLM:
         ``draft_vocab``: a draft model's logits cover this many token ids (+ special tokens; None or 0 =
         all, the default). ``tensor_parallel``: split the target over this many processes (see
         quickdraft.parallel). ``device``: cpu, cuda, cuda:N or auto (CUDA when there is one).
-        ``cuda_graphs``: replay decode/verify passes as CUDA graphs: auto (where they apply), on, off."""
+        ``cuda_graphs``: replay decode/verify passes as CUDA graphs: auto (where they apply), on, off.
+        ``draft_confidence``: a draft model ends its proposal after a token it gives a probability
+        below this (0 = always draft k; None = the default, DEFAULT_DRAFT_CONFIDENCE)."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
-                          draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab)
+                          draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
+                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence)
         where = resolve_device(device)
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise QuickdraftError(f"--cuda-graphs must be auto, on or off, got {cuda_graphs!r}")

@@ -18,6 +18,8 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")  # --cuda-graphs
 # A draft model's output head covers its this many most frequent tokens, as many first ids, each
 # prompt's tokens and the special tokens (quickdraft.spec.vocab); 0 = the whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 16384
+# A draft model stops a proposal after a token it gives less than this probability (0 = never).
+DEFAULT_DRAFT_CONFIDENCE = 0.8
 
 
 @dataclass(frozen=True)

@@ -319,6 +319,7 @@ def test_real_humaneval_fetch() -> None:
         (["--simulate-acceptance", "9", "--num-draft", "4"], "between 1 and k \\+ 1"),
         (["--endpoint", "http://127.0.0.1:9"], "--served-model"),
         (["--methods", ""], "nothing to measure"),
+        (["--draft-confidence", "1.5"], "--draft-confidence must be at least 0"),
     ],
 )
 def test_bad_options_are_refused(

@@ -340,3 +340,8 @@ def test_cli_prompt_longer_than_context(
             "--max-context", "32", "--draft", "none", "--threads", threads, "word " * 80]  # fmt: skip
     err = _cli(argv, capsys)
     assert_words(err, "context")
+
+
+def test_cli_bad_draft_confidence_is_refused_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _cli(["generate", "--raw", "-q", "--model", "/nonexistent/m.gguf", "--draft-confidence", "-0.5", "hi"], capsys)
+    assert_words(err, "--draft-confidence", "below 1")

@@ -14,6 +14,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec.ngram import NGramDrafter
 from quickdraft.spec.policy import (
+    CONFIDENT_K,
     EMA,
     PROBE_EVERY,
     PROBE_K,
@@ -340,3 +341,36 @@ def test_catch_up_follows_the_drafters_own_pass_costs() -> None:
     assert auto._catch_up_seconds(with_own) == pytest.approx(0.2 * 1.0)
     behind.max_catch_up = 1  # type: ignore[attr-defined]  # reads at most the last token: no catch-up
     assert auto._catch_up_seconds(with_own) == 0.0
+
+
+class ConfidentDrafter(BehindDrafter):
+    """A model drafter that ends proposals itself when unsure (like DraftModelDrafter's stop_below)."""
+
+    name = "confident"
+    stop_below = 0.8
+
+    def __init__(self, truth: list[int]) -> None:
+        super().__init__(truth, 1)
+        self.asked: list[int] = []
+
+    def propose(self, k: int) -> Draft:
+        self.asked.append(k)
+        return super().propose(k)
+
+
+def test_auto_offers_a_self_stopping_drafter_at_least_confident_k() -> None:
+    """The cost model sizes k for drafts of average confidence; a drafter that stops itself when
+    unsure is offered CONFIDENT_K tokens at least (within the step's budget), a plain one the
+    cost model's k."""
+    cost = FrozenCost({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8})
+    truth = list(range(100, 140))
+    plain_model = Candidate(BehindDrafter(truth, 1), Acceptance(0.5, 8), 0.1, cheap=False)
+    k_cost = AutoDrafter([plain_model], cost)._choose(8)[1].k
+    assert 0 < k_cost < CONFIDENT_K  # a modest acceptance: the cost model alone drafts a little
+
+    confident = ConfidentDrafter(truth)
+    auto = AutoDrafter([Candidate(confident, Acceptance(0.5, 8), 0.1, cheap=False)], cost)
+    assert auto._choose(8)[1].k == CONFIDENT_K and confident.asked == [CONFIDENT_K]
+    assert auto._choose(3)[1].k == 3 and confident.asked[-1] == 3  # never past the step's budget
+    confident.stop_below = 0.0  # the rule switched off: the cost model's k again
+    assert auto._choose(8)[1].k == k_cost

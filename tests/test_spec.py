@@ -547,6 +547,68 @@ def test_tiny_unrelated_and_padded_vocab_draft_models(
         assert run.ids == tiny.truth and run.stats.drafted > 0
 
 
+class ScriptedConfidence(DraftModelDrafter):
+    """A draft model whose confidence in each drafted token is scripted (from a seeded stream;
+    None: its own), recording the length of each proposal."""
+
+    def __init__(self, *args: Any, confidences: Callable[[], float] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.confidences = confidences
+        self.lengths: list[int] = []
+        self.asked: list[int] = []
+
+    def _confidence(self, logits: torch.Tensor, q: torch.Tensor | None) -> float:
+        return super()._confidence(logits, q) if self.confidences is None else self.confidences()
+
+    def propose(self, k: int) -> Draft:
+        draft = super().propose(k)
+        self.lengths.append(draft.k)
+        self.asked.append(k)
+        return draft
+
+
+@pytest.mark.parametrize("pattern", ["sure", "unsure", "mixed"])
+def test_draft_model_confidence_stop_matches_plain_greedy(tiny: Case, tiny_near: LoadedModel, pattern: str) -> None:
+    """--draft-confidence: a proposal ends after the first token the draft is unsure of, so
+    proposals of every length up to k reach the verifier and the draft's cache is rolled back by
+    a varying amount; greedy output stays plain greedy's, and a proposal is k tokens exactly when
+    the draft stayed sure."""
+    rng = random.Random(7)
+    script = {"sure": lambda: 0.95, "unsure": lambda: 0.1, "mixed": lambda: rng.choice([0.95, 0.95, 0.95, 0.3])}[pattern]
+    drafter = ScriptedConfidence(tiny_near.model, tiny.vocab, stop_below=0.8, confidences=script)
+    run = tiny.spec(drafter, 6)
+    assert run.ids == tiny.truth
+    assert run.stats.drafted == sum(drafter.lengths) and 0 < run.stats.accepted < run.stats.drafted
+    asked = set(drafter.asked)
+    assert 6 in asked  # (fewer near the end: max_tokens)
+    if pattern == "sure":
+        assert drafter.lengths == drafter.asked
+    if pattern == "unsure":
+        assert set(drafter.lengths) == {1}
+    if pattern == "mixed":
+        assert all(n <= k for n, k in zip(drafter.lengths, drafter.asked, strict=True))
+        assert {1, 6} <= set(drafter.lengths) and len(set(drafter.lengths)) >= 3
+
+
+def test_draft_model_confidence_is_its_top_probability(tiny: Case, tiny_near: LoadedModel) -> None:
+    """Greedy: the softmax maximum of the draft's logits; sampling: the maximum of the q it drew
+    from. A threshold above every confidence drafts one token per step, 0 drafts k."""
+    drafter = DraftModelDrafter(tiny_near.model, tiny.vocab, stop_below=0.5)
+    logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
+    assert drafter._confidence(logits, None) == pytest.approx(float(logits.softmax(-1).max()))
+    assert drafter._confidence(logits, torch.tensor([[0.2, 0.7, 0.1, 0.0]])) == pytest.approx(0.7)
+    prompt = torch.tensor(tiny.prompt)
+    for stop, want in ((0.9999, 1), (0.0, 5)):
+        d = DraftModelDrafter(tiny_near.model, tiny.vocab, stop_below=stop)
+        d.prefill(prompt, SamplingParams())
+        assert d.propose(5).k == want
+    with pytest.raises(QuickdraftError, match="draft-confidence"):
+        DraftModelDrafter(tiny_near.model, tiny.vocab, stop_below=1.0)
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(QuickdraftError, match="--draft-confidence"):
+            SpecConfig(draft_confidence=bad)
+
+
 def test_draft_model_drafter_keeps_up_when_not_asked(tiny: Case, tiny_near: LoadedModel) -> None:
     """Under AutoDrafter the draft model sits out steps (k=0): its pending tokens must catch up."""
     cost = FrozenCost({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
@@ -927,7 +989,7 @@ def test_plain_sampling_follows_exact_marginals(
         check_marginal([o[i] for o in plain_samples], marginals[i], f"plain token {i}")
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "one_hot", "draft_model_filtered"])
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "one_hot", "draft_model_filtered", "draft_model_stops"])
 def test_speculative_sampling_follows_exact_marginals(
     sampler: LoadedModel,
     sampler_draft: LoadedModel,
@@ -943,9 +1005,13 @@ def test_speculative_sampling_follows_exact_marginals(
     drafter: Drafter
     if drafter_kind == "one_hot":  # the likeliest 2nd and 3rd tokens, proposed every step
         drafter = ConstDrafter([int(marginals[1].argmax()), int(marginals[2].argmax())])
-    else:
-        drafter = DraftModelDrafter(sampler_draft.model, sampler.config.vocab_size)
+    else:  # "stops": proposals end early where q's top is under 0.6 (both lengths occur here)
+        stop = 0.6 if drafter_kind.endswith("stops") else 0.0
+        drafter = ScriptedConfidence(sampler_draft.model, sampler.config.vocab_size, stop_below=stop)
     outs = sample_outputs(sampler, drafter, 2, params, SAMPLE_RUNS)
+    if isinstance(drafter, ScriptedConfidence):
+        cut = [n < k for n, k in zip(drafter.lengths, drafter.asked, strict=True)]
+        assert any(cut) and not all(cut) if drafter.stop_below else not any(cut)
     assert all(len(o) == SAMPLE_DEPTH + 1 for o in outs)
     for i in range(SAMPLE_DEPTH):
         check_marginal([o[i] for o in outs], marginals[i], f"{drafter_kind} token {i}")

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from quickdraft import zoo
 from quickdraft.bench.datasets import Dataset, Item, Message
 from quickdraft.bench.metrics import Record, request_metrics
-from quickdraft.config import DEFAULT_DRAFT_VOCAB
+from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
 from quickdraft.engine import Engine, RequestStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, resolve
@@ -206,6 +206,7 @@ class MethodOptions:
     simulate_tau: float | None = None
     draft_vocab: int = DEFAULT_DRAFT_VOCAB  # see SpecConfig.draft_vocab
     cuda_graphs: str = "auto"  # see Engine
+    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # see SpecConfig.draft_confidence
 
 
 def parse_methods(text: str) -> list[str]:
@@ -294,7 +295,11 @@ def build_in_process(
         else:
             draft = draft_model_for(model_spec, opts) if m == "draft" else m
             drafter, k = build_drafter(
-                SpecConfig(draft=draft, num_draft=opts.num_draft, draft_vocab=opts.draft_vocab), target, opts.dtype, say
+                SpecConfig(draft=draft, num_draft=opts.num_draft, draft_vocab=opts.draft_vocab,
+                           draft_confidence=opts.draft_confidence),
+                target,
+                opts.dtype,
+                say,
             )
         out.append(
             InProcessContender(m, engine, drafter, k, (proc.memory_info().rss - rss) / 2**20)

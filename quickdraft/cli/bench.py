@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from quickdraft.cli.common import DEFAULT_MODEL, add_device_args, info
-from quickdraft.config import DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
+from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_METHODS = "none,ngram,auto"
@@ -54,6 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="a draft model's logits cover its N most frequent tokens + the first N ids + the prompt's + special tokens "
         f"(0 = the whole vocabulary; default {DEFAULT_DRAFT_VOCAB})",
+    )
+    g.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="a draft model ends its proposal after a token it gives probability below P "
+        f"(0 = always draft k; default {DEFAULT_DRAFT_CONFIDENCE})",
     )
     g.add_argument(
         "--num-draft",
@@ -139,12 +147,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from quickdraft.bench import datasets, report, runner
     from quickdraft.bench.metrics import fill_speedups
-    from quickdraft.spec.factory import parse_num_draft
+    from quickdraft.spec.factory import SpecConfig, parse_num_draft
 
     methods, endpoints = _plan(args)
     opts = runner.MethodOptions(
         args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance,
         DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab, args.cuda_graphs,
+        DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence,
     )
     baseline = "none" if "none" in methods else _first_name(methods, endpoints)
     settings = runner.BenchSettings(
@@ -157,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         baseline=baseline,
     )
     settings.params(0)  # validate sampling before the slow parts
+    SpecConfig(num_draft=opts.num_draft, draft_vocab=opts.draft_vocab, draft_confidence=opts.draft_confidence)
     if opts.simulate_tau is not None:
         runner.simulated_k(opts.simulate_tau, opts.num_draft)
     if "draft" in methods:
@@ -275,6 +285,7 @@ def _meta(
             "dtype",
             "num_draft",
             "draft_vocab",
+            "draft_confidence",
             "max_context",
             "threads",
             "device",

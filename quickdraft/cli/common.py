@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_VOCAB, DEVICES, DTYPE_CHOICES
+from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB, DEVICES, DTYPE_CHOICES
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a draft model computes logits only for its N most frequent tokens, the first N ids, the prompt's "
                         "tokens and the special tokens: cheaper draft tokens, a few fewer accepted, output "
                         f"unchanged (0 = the whole vocabulary; default: {DEFAULT_DRAFT_VOCAB})")
+    g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
+                   help="a draft model ends its proposal after a token it gives probability below P: fewer "
+                        f"wasted draft passes, output unchanged (0 = always draft k; default: {DEFAULT_DRAFT_CONFIDENCE})")
 
 
 def add_device_args(g: argparse._ArgumentGroup) -> None:
@@ -84,6 +87,7 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
               max_context=args.max_context, threads=args.threads,
               tensor_parallel=getattr(args, "tensor_parallel", 1), log=say,
               draft_vocab=getattr(args, "draft_vocab", None), device=getattr(args, "device", "auto"),
+              draft_confidence=getattr(args, "draft_confidence", None),
               cuda_graphs=getattr(args, "cuda_graphs", "auto"))
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
     return llm

@@ -14,6 +14,11 @@ them: after a long stretch drafted by n-gram lookup (often a copy of the prompt)
 hundred missed tokens would cost the 0.5B draft ~300 ms, several target passes. It reads the last
 MAX_CATCH_UP at their true positions instead and drafts with a gap in its context (its cache
 slots then lag the positions by ``offset``). Drafts stay lossless whatever the draft reads.
+
+With ``stop_below`` > 0 a proposal ends early, after the first token the draft itself is unsure
+of (its top probability under ``stop_below``; that token is still offered): the caller asks for
+up to k and the draft spends passes only where the target is likely to agree. (Hugging Face's
+assisted generation has the same rule, ``assistant_confidence_threshold``.)
 """
 
 from __future__ import annotations
@@ -56,11 +61,22 @@ class DraftModelDrafter:
     name = "draft"
     max_catch_up = MAX_CATCH_UP
 
-    def __init__(self, model: CausalLM, target_vocab: int, eager: bool = False, vocab: DraftVocab | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        target_vocab: int,
+        eager: bool = False,
+        vocab: DraftVocab | None = None,
+        stop_below: float = 0.0,
+    ) -> None:
         """``eager``: read the prompt at prefill (as the engine's drafters do), instead of at its
         first use (for a mix where it may never be used for the request). ``vocab``:
-        the ids the draft may propose (its output head is cut to them plus each prompt's ids)."""
+        the ids the draft may propose (its output head is cut to them plus each prompt's ids).
+        ``stop_below``: end a proposal after a token whose draft probability is below it (0: never)."""
+        if not 0.0 <= stop_below < 1.0:
+            raise QuickdraftError(f"--draft-confidence must be in [0, 1), got {stop_below}")
         self.model = model
+        self.stop_below = stop_below
         self.vocab = vocab
         self.eager = eager
         self.cache = model.new_cache()
@@ -115,6 +131,8 @@ class DraftModelDrafter:
             if q is not None:
                 qs.append(q)
             ids = tok
+            if self.stop_below and len(tokens) < k and self._confidence(logits, q) < self.stop_below:
+                break
         drafted = torch.cat(tokens)
         self._proposed = drafted
         return Draft(tokens=drafted, probs=torch.cat(qs) if qs else None)
@@ -126,6 +144,14 @@ class DraftModelDrafter:
             return greedy_tokens(processed), None
         q = probs_from_logits(processed)  # [1, V]
         return sample_tokens(q, self.generator), q
+
+    def _confidence(self, logits: Tensor, q: Tensor | None) -> float:
+        """The draft's probability of its own pick: the top of q (sampling: the distribution it
+        drew from), else of the softmax of its logits (greedy; over the cut head's rows only, the
+        ids it cannot propose have probability 0 either way)."""
+        if q is not None:
+            return float(q.max())
+        return float(logits.float().softmax(dim=-1).max())
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         emitted = [int(t) for t in tokens.tolist()]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import zoo
-from quickdraft.config import DEFAULT_DRAFT_VOCAB
+from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.spec.base import Drafter
@@ -51,12 +51,19 @@ class SpecConfig:
     # 16384 makes a draft token 26% cheaper at the same 94% acceptance (the first 32768 ids by
     # number instead: 21% cheaper, acceptance 97% -> 89%: "```" and identifiers have high ids).
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
+    # a draft model ends its proposal after a token it gives less than this probability (0: it
+    # always drafts the k asked for); see DraftModelDrafter and policy.CONFIDENT_K.
+    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
 
     def __post_init__(self) -> None:
         if self.num_draft is not None and not 1 <= self.num_draft <= 32:
             raise QuickdraftError(f"--num-draft must be between 1 and 32 (or 'auto'), got {self.num_draft}")
         if self.draft_vocab < 0 or 0 < self.draft_vocab < 256:
             raise QuickdraftError(f"--draft-vocab must be 0 (the whole vocabulary) or at least 256, got {self.draft_vocab}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise QuickdraftError(
+                f"--draft-confidence must be at least 0 (0: off) and below 1, got {self.draft_confidence}"
+            )
 
 
 def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None = None) -> DraftVocab | None:
@@ -143,7 +150,9 @@ def _base_drafters(
         # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
         # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
         # cost model then rarely lets the draft model start at all.
-        drafter = DraftModelDrafter(draft.model, target.config.vocab_size, eager=True, vocab=vocab)
+        drafter = DraftModelDrafter(
+            draft.model, target.config.vocab_size, eager=True, vocab=vocab, stop_below=cfg.draft_confidence
+        )
         out.append((drafter, DRAFT_PRIOR, per_token, curve))
     return out
 

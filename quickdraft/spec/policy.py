@@ -34,8 +34,15 @@ from quickdraft.spec.tree import DraftTree, cut_tree
 from quickdraft.spec.verify import Draft
 
 EMA = 0.2  # weight of a new observation
-PROBE_EVERY = 24  # steps without using a drafter before a probe step
+PROBE_EVERY = 8  # steps without using a drafter before a probe step
 PROBE_K = 2
+# A drafter that ends its proposals itself when unsure (a draft model's ``stop_below``) is offered
+# at least this many tokens: the cost model's k is sized for drafts of average confidence, the
+# drafter's own stop rule then keeps the confident stretches going. Replayed offline on 80 greedy
+# HumanEval answers (Qwen2.5-Coder 1.5B + 0.5B, n-gram alongside): 6 (2.11x plain) >= 8 (2.10x)
+# > 4 (2.07x) > the cost model's k alone (2.02x); with probes every 8 idle steps instead of 24,
+# 2.14-2.20x.
+CONFIDENT_K = 6
 
 
 @dataclass
@@ -118,6 +125,7 @@ class AutoDrafter:
         self.candidates = candidates
         self.cost = cost
         self.fixed_k = fixed_k
+        self.probe_every = PROBE_EVERY
         self.usage: dict[str, int] = {c.drafter.name: 0 for c in candidates} | {"none": 0}
         self._chosen: Candidate | None = None
         self._k = 0
@@ -174,7 +182,7 @@ class AutoDrafter:
                 k, rate = limit, estimate(limit) / self.cost(limit + 1)
             else:
                 k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
-            if c.idle > PROBE_EVERY and limit > 0:
+            if c.idle > self.probe_every and limit > 0:
                 stale.append((c.idle, c, min(PROBE_K, limit), preview))
             if k > 0 and rate > best[0]:
                 best = (rate, c, k, preview)
@@ -199,6 +207,8 @@ class AutoDrafter:
         chosen.idle = 0
         catch_up = self._catch_up_seconds(chosen)
         t0 = time.perf_counter()
+        if preview is None and getattr(chosen.drafter, "stop_below", 0.0) > 0:
+            k = min(budget, max(k, CONFIDENT_K))
         draft = _cut(preview, k) if preview is not None else chosen.drafter.propose(k)
         if preview is None and draft.k:
             # What this use really cost beyond the model's k * seconds_per_token + catch-up:
