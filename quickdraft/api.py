@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB, resolve_device
+from quickdraft.config import (
+    CUDA_GRAPH_MODES,
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_DRAFT_VOCAB,
+    resolve_device,
+)
 from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model

@@ -7,7 +7,13 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from quickdraft.config import CUDA_GRAPH_MODES, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB, DEVICES, DTYPE_CHOICES
+from quickdraft.config import (
+    CUDA_GRAPH_MODES,
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_DRAFT_VOCAB,
+    DEVICES,
+    DTYPE_CHOICES,
+)
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
