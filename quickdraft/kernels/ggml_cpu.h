@@ -251,6 +251,36 @@ QD_INLINE float hsum(__m256 v) {  // one fixed reduction order for every output
   return _mm_cvtss_f32(s);
 }
 
+// The hsum of each of 8 vectors (ar + 8j, j = 0..7) at once: y[j] = hsum(ar + 8j), bitwise, with
+// 19 instructions instead of ~48 (the same adds on the same operands in the same order: lo + hi
+// halves, then (s0 + s2) + (s1 + s3)). Panels end with this reduction of every output; at 8 rows
+// of K = 1536 it was ~4% of a pass.
+QD_INLINE __m256 hsum8x8(const float* ar) {
+  __m256 s[4];
+  QD_UNROLL
+  for (int j = 0; j < 4; ++j) {  // s[j]: x_k + x_{k+4} of output j (low lane) and output j + 4 (high)
+    const __m256 a = _mm256_load_ps(ar + j * 8), b = _mm256_load_ps(ar + (j + 4) * 8);
+    s[j] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  // per lane: [s0 + s2, s1 + s3] of output j, then of output j + 1
+  const __m256 r01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xEE));
+  const __m256 r23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xEE));
+  return _mm256_hadd_ps(r01, r23);  // outputs 0..3 (low lane), 4..7 (high lane)
+}
+
+// Stores the 8 outputs of one panel row (acc ar) at yr: the first nn of them, plus bias if any.
+QD_INLINE void store_panel_row(const float* ar, float* yr, int nn, const float* bias) {
+  __m256 v = hsum8x8(ar);
+  if (nn == NP) {
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    _mm256_storeu_ps(yr, v);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int j = 0; j < nn; ++j) yr[j] = bias ? tmp[j] + bias[j] : tmp[j];
+}
+
 // Weight rows per register tile of TT input rows (measured: enough independent accumulators to
 // hide the FMA latency, few enough that none is spilled).
 template <class F>
@@ -461,14 +491,8 @@ void panel(const Gemm& g, int64_t p, bool pf, float* acc, float* wbuf) {
         scratch_rows<F>(g.xp + (c0 / CHUNK * g.T + t0) * Gemm::XS, Gemm::XS, wbuf, nblk, acc, tb);
       }
     }
-    for (int t = 0; t < tb; ++t) {
-      float* yr = g.y + (t0 + t) * g.N + n0;
-      const float* ar = acc + t * NP * 8;
-      for (int j = 0; j < nn; ++j) {
-        const float s = hsum(_mm256_load_ps(ar + j * 8));
-        yr[j] = g.bias ? s + g.bias[n0 + j] : s;
-      }
-    }
+    for (int t = 0; t < tb; ++t)
+      store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr);
   }
 }
 

@@ -615,14 +615,8 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
       for (int j = 0; j < NP; ++j) b[j] = rows[j] + c0 / F::BS * F::TS;
       rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb);
     }
-    for (int t = 0; t < tb; ++t) {
-      float* yr = g.y + (t0 + t) * g.N + n0;
-      const float* ar = acc + t * NP * 8;
-      for (int j = 0; j < nn; ++j) {
-        const float s = hsum(_mm256_load_ps(ar + j * 8));
-        yr[j] = g.bias ? s + g.bias[n0 + j] : s;
-      }
-    }
+    for (int t = 0; t < tb; ++t)
+      store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr);
   }
 }
 
