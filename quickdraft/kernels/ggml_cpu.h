@@ -244,17 +244,10 @@ struct Q6_K {
 // GEMM
 // ---------------------------------------------------------------------------------------------
 
-QD_INLINE float hsum(__m256 v) {  // one fixed reduction order for every output
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-// The hsum of each of 8 vectors (ar + 8j, j = 0..7) at once: y[j] = hsum(ar + 8j), bitwise, with
-// 19 instructions instead of ~48 (the same adds on the same operands in the same order: lo + hi
-// halves, then (s0 + s2) + (s1 + s3)). Panels end with this reduction of every output; at 8 rows
-// of K = 1536 it was ~4% of a pass.
+// The horizontal sums of 8 vectors (ar + 8j, j = 0..7) at once, in one fixed order for every
+// output: x_k + x_{k+4} (low + high half), then (s0 + s2) + (s1 + s3). 19 instructions instead of
+// ~48 for 8 separate sums in the same order (the previous epilogue; bitwise the same results).
+// Panels end with this reduction of every output; at 8 rows of K = 1536 it was ~4% of a pass.
 QD_INLINE __m256 hsum8x8(const float* ar) {
   __m256 s[4];
   QD_UNROLL

@@ -57,6 +57,12 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
         )
 
 
+def check_draft_confidence(p: float) -> None:
+    """Refuse a --draft-confidence outside [0, 1)."""
+    if not 0.0 <= p < 1.0:
+        raise QuickdraftError(f"--draft-confidence must be at least 0 (0: off) and below 1, got {p}")
+
+
 class DraftModelDrafter:
     name = "draft"
     max_catch_up = MAX_CATCH_UP
@@ -73,8 +79,7 @@ class DraftModelDrafter:
         first use (for a mix where it may never be used for the request). ``vocab``:
         the ids the draft may propose (its output head is cut to them plus each prompt's ids).
         ``stop_below``: end a proposal after a token whose draft probability is below it (0: never)."""
-        if not 0.0 <= stop_below < 1.0:
-            raise QuickdraftError(f"--draft-confidence must be in [0, 1), got {stop_below}")
+        check_draft_confidence(stop_below)
         self.model = model
         self.stop_below = stop_below
         self.vocab = vocab

@@ -20,7 +20,12 @@ from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.spec.base import Drafter
-from quickdraft.spec.draft_model import MAX_CATCH_UP, DraftModelDrafter, check_same_tokenizer
+from quickdraft.spec.draft_model import (
+    MAX_CATCH_UP,
+    DraftModelDrafter,
+    check_draft_confidence,
+    check_same_tokenizer,
+)
 from quickdraft.spec.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.spec.eagle3.io import is_head, load_head, with_convention
 from quickdraft.spec.ngram import NGramDrafter
@@ -60,10 +65,7 @@ class SpecConfig:
             raise QuickdraftError(f"--num-draft must be between 1 and 32 (or 'auto'), got {self.num_draft}")
         if self.draft_vocab < 0 or 0 < self.draft_vocab < 256:
             raise QuickdraftError(f"--draft-vocab must be 0 (the whole vocabulary) or at least 256, got {self.draft_vocab}")
-        if not 0.0 <= self.draft_confidence < 1.0:
-            raise QuickdraftError(
-                f"--draft-confidence must be at least 0 (0: off) and below 1, got {self.draft_confidence}"
-            )
+        check_draft_confidence(self.draft_confidence)
 
 
 def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None = None) -> DraftVocab | None:
