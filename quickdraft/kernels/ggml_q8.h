@@ -25,8 +25,10 @@ void gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int 
 // QD_VNNI (set by ggml_q8_avx512.cpp): AVX-512 VNNI dot products and 32 vector registers.
 #ifdef QD_VNNI
 #define QD_ACC_REG "+v"
+#define QD_NREGS 32
 #else
 #define QD_ACC_REG "+x"
+#define QD_NREGS 16
 #endif
 
 namespace QD_NS {
@@ -48,6 +50,8 @@ namespace q8 {
 // ---------------------------------------------------------------------------------------------
 
 enum XMode : int { KL = 0, B32 = 1 };
+
+alignas(32) inline constexpr float ZERO8[8] = {};  // the partial sums a panel starts from
 constexpr int NMODES = 2;
 
 // One input row's 256 values (one panel step), quantized. 384 bytes, 32-byte aligned. A partial
@@ -157,8 +161,9 @@ void quantize_chunk(const float* x, int n, XChunk& c) {
 // maddubs + madd(1) + add) into accumulator F::acc_of(v), exact for any input: maddubs adds two
 // products of |w| <= 128 and |q| <= 127, so |pair| <= 2 * 128 * 127 = 32512 < 32767 (no int16
 // saturation; Q6_K: 2 * 63 * 127), and an int32 lane stays below 2^20. Lanes below 2^24 convert to
-// float exactly. F::finish(isum, pre, xc, blk, acc) turns the block's exact int32 lanes into
-// floats: the only float arithmetic of the path, one fixed sequence per (row, output, block).
+// float exactly. F::finish(isum, pre, xc, blk, in, acc) turns the block's exact int32 lanes into
+// floats added to the 8 partial sums at in (ZERO8 for a panel's first block), stored at acc: the
+// only float arithmetic of the path, one fixed sequence per (row, output, block).
 // ---------------------------------------------------------------------------------------------
 
 // 32-block formats in lanes: 8 consecutive blocks of a row (256 weights, a "super-block") with
@@ -168,11 +173,11 @@ void quantize_chunk(const float* x, int n, XChunk& c) {
 // A row whose K is not a multiple of 256 ends in a super-block padded with zero blocks (d = 0).
 
 // isum_j - off * s_j, then acc += (dw_j * dx_j) * that (one lane per block)
-QD_INLINE void finish32(__m256i isum, __m256 dw, int off, const XChunk& xc, float* acc) {
+QD_INLINE void finish32(__m256i isum, __m256 dw, int off, const XChunk& xc, const float* in, float* acc) {
   const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6));
   const __m256i i = off ? _mm256_sub_epi32(isum, _mm256_mullo_epi32(s, _mm256_set1_epi32(off))) : isum;
   const __m256 scale = _mm256_mul_ps(dw, _mm256_load_ps(xc.d));
-  _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), scale, _mm256_load_ps(acc)));
+  _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), scale, _mm256_load_ps(in)));
 }
 
 QD_INLINE __m256 fp16x8(const uint8_t* p) {
@@ -199,7 +204,7 @@ QD_INLINE void nibble_seg(int s, const uint8_t* b, P&& put) {
 struct Q8_0L {  // [d x 8][256 bytes: q, int8]
   static constexpr int64_t BS = 256, TS = 8 * 34, GBS = 32, GTS = 34;
   static constexpr int NSEG = 4, MODE = B32, NACC = 2;
-  static constexpr bool SIGNED = true;
+  static constexpr bool SIGNED = true, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d;
   };
@@ -210,15 +215,15 @@ struct Q8_0L {  // [d x 8][256 bytes: q, int8]
     put(2 * s, load_256(b + 16 + 64 * s));
     put(2 * s + 1, load_256(b + 16 + 64 * s + 32));
   }
-  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
-    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, acc);
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
   }
 };
 
 template <int OFF, int64_t QS>  // [d x 8][(Q5_0: qh' 32)][qs' 128: vector 2u low nibbles, 2u + 1 high]
 struct Nibble32L {
   static constexpr int NSEG = 4, MODE = B32, NACC = 2;
-  static constexpr bool SIGNED = false;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d;
   };
@@ -249,8 +254,8 @@ struct Nibble32L {
       default: return _mm256_srli_epi16(bit, 3);
     }
   }
-  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
-    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, acc);
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, in, acc);
   }
 };
 struct Q4_0L : Nibble32L<8, 16> {
@@ -263,7 +268,7 @@ struct Q5_0L : Nibble32L<16, 48> {
 struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m_j * (dx_j * s_j)
   static constexpr int64_t BS = 256, TS = 8 * 20, GBS = 32, GTS = 20;
   static constexpr int NSEG = 4, MODE = B32, NACC = 2;
-  static constexpr bool SIGNED = false;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d, m;
   };
@@ -276,8 +281,8 @@ struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
     nibble_seg<32>(s, b, put);
   }
-  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
-    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, acc);
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
     _mm256_store_ps(acc, _mm256_fmadd_ps(p.m, _mm256_load_ps(xc.bm), _mm256_load_ps(acc)));
   }
 };
@@ -301,7 +306,7 @@ struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m
 struct Q4_KL {
   static constexpr int64_t BS = 256, TS = 144, GBS = 256, GTS = 144;  // (GGML block = lanes block)
   static constexpr int NSEG = 4, MODE = KL, NACC = 2;  // even / odd vectors: two short chains
-  static constexpr bool SIGNED = false;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 dsc, dmm;  // d * sc_j, dmin * m_j (lane j: 32-group j)
   };
@@ -323,10 +328,10 @@ struct Q4_KL {
     nibble_seg<16>(s, b, put);
   }
   // sum x w = sum_j dx * d * sc_j * isum_j - dmin * m_j * (dx * bsum_j)
-  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     const __m256i is = _mm256_add_epi32(isum[0], isum[1]);
     __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(p.dsc, _mm256_broadcast_ss(xc.d)),
-                               _mm256_load_ps(acc));
+                               _mm256_load_ps(in));
     a = _mm256_fnmadd_ps(p.dmm, _mm256_load_ps(xc.bm), a);
     _mm256_store_ps(acc, a);
   }
@@ -335,7 +340,7 @@ struct Q4_KL {
 struct Q6_KL {
   static constexpr int64_t BS = 256, TS = 210, GBS = 256, GTS = 210;
   static constexpr int NSEG = 4, MODE = KL, NACC = 2;
-  static constexpr bool SIGNED = false;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = false;  // vectors 0-3 / 4-7: 16-groups 2j / 2j + 1
   struct Pre {
     __m256 dsc[2];  // d * scale of 16-group 2j (dsc[0]) and 2j + 1 (dsc[1]) in lane j
   };
@@ -359,11 +364,11 @@ struct Q6_KL {
     put(2 * s + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4), _mm256_and_si256(h1, m2)));
   }
   // sum x w = sum_g dx * d * scale_g * (isum_g - 32 * bsum_g)
-  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, float* acc) {
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     const __m256 dx = _mm256_broadcast_ss(xc.d);
     const __m256i i0 = _mm256_sub_epi32(isum[0], _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6)));
     const __m256i i1 = _mm256_sub_epi32(isum[1], _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6 + 8)));
-    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(p.dsc[0], dx), _mm256_load_ps(acc));
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(p.dsc[0], dx), _mm256_load_ps(in));
     a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(p.dsc[1], dx), a);
     _mm256_store_ps(acc, a);
   }
@@ -496,17 +501,30 @@ constexpr int64_t PF_L1_PANEL = 16384;  // ... and bytes per panel (a longer one
 constexpr int64_t PF_AHEAD = 1;  // a panel prefetches the panel this many ahead (same work item)
 
 // Weight rows per tile of TT input rows: TT * NN int32 accumulators stay in registers.
-// (Measured on Zen 4: the same shapes are best for the AVX-512 VNNI build; wider tiles there were
-// 2-10% slower at 1, 4 and 8 rows.)
+// AVX2 (16 vector registers): measured best. AVX-512 VNNI (32 registers): 8 rows x 2 weight rows
+// with one accumulator chain each (ONE_CHAIN below), so every activation vector loaded serves two
+// weight rows.
 template <class F>
 constexpr int nn_for(int tt) {
+#ifdef QD_VNNI
+  return tt == 1 ? 4 : (tt <= 4 || F::LATENCY_SPLIT) ? 2 : 1;
+#else
   return tt == 1 ? 4 : tt <= 4 ? 2 : 1;
+#endif
 }
 
 // acc[i][j] (8 floats at acc + (i*NP + j)*8) += rows i of x (chunks x[i]) . weight rows j (blocks
 // at b[j]), over nblk blocks of the current chunk.
 template <class F, int TT, int NN>
-QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc) {
+QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, bool first) {
+  // A format whose two accumulators only shorten the dependency chains (LATENCY_SPLIT: the finish
+  // adds them first) uses one where the tile has enough independent chains anyway.
+  constexpr bool ONE_CHAIN = F::LATENCY_SPLIT && TT * NN >= 8;
+  constexpr int NA = ONE_CHAIN ? 1 : F::NACC;
+  // Several weight rows against several input rows: each activation vector is loaded once for
+  // all NN weight rows, where the accumulators, weight vectors and x fit the vector registers
+  // (measured: AVX2 Q6_K at 4 rows 17% slower when they do not).
+  constexpr bool XREUSE = TT >= 4 && NN > 1 && TT * NN * NA + 2 * NN + 2 <= QD_NREGS;
   const uint8_t* p[NN];
   QD_UNROLL
   for (int j = 0; j < NN; ++j) p[j] = b[j];
@@ -514,7 +532,6 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     typename F::Pre pre[NN];
     QD_UNROLL
     for (int j = 0; j < NN; ++j) F::prepare(p[j], pre[j]);
-    constexpr int NA = F::NACC;
     __m256i ia[TT][NN][NA];
     QD_UNROLL
     for (int i = 0; i < TT; ++i)
@@ -522,62 +539,99 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
       for (int j = 0; j < NN; ++j)
         QD_UNROLL
         for (int a = 0; a < NA; ++a) ia[i][j][a] = _mm256_setzero_si256();
+    // ia[i][j][.] += |w| . (x row i, signed like w), for vector v of weight row j
+    auto dot = [&](int i, int j, int v, __m256i wu, __m256i xs) __attribute__((always_inline)) {
+      __m256i& acc_r = ia[i][j][ONE_CHAIN ? 0 : F::acc_of(v)];
+#ifdef QD_VNNI
+      acc_r = _mm256_dpbusd_epi32(acc_r, wu, xs);  // = maddubs + madd(1) + add, in one step
+#else
+      acc_r = _mm256_add_epi32(acc_r, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), _mm256_set1_epi16(1)));
+#endif
+      // keeps GCC from reassociating the (exact, so reorderable) integer sums into trees of
+      // products computed far ahead and spilled to the stack
+      __asm__("" : QD_ACC_REG(acc_r));
+    };
+    auto load_x = [&](int i, int v) __attribute__((always_inline)) {
+      return _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].q + 32 * v));
+    };
     QD_UNROLL
     for (int s = 0; s < F::NSEG; ++s) {
-      QD_UNROLL
-      for (int j = 0; j < NN; ++j) {
-        F::seg(s, p[j], pre[j], [&](int v, __m256i w) __attribute__((always_inline)) {
-          const __m256i wu = F::SIGNED ? _mm256_sign_epi8(w, w) : w;  // |w| (|-128| = 128 unsigned)
+      if constexpr (XREUSE) {  // the segment's weight vectors of all NN rows, then each x vector once
+        __m256i w[NN][2];
+        QD_UNROLL
+        for (int j = 0; j < NN; ++j)
+          F::seg(s, p[j], pre[j], [&](int v, __m256i wv) __attribute__((always_inline)) { w[j][v - 2 * s] = wv; });
+        QD_UNROLL
+        for (int h = 0; h < 2; ++h) {
           QD_UNROLL
           for (int i = 0; i < TT; ++i) {
-            __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].q + 32 * v));
-            if (F::SIGNED) xv = _mm256_sign_epi8(xv, w);
-            __m256i& acc_r = ia[i][j][F::acc_of(v)];
-#ifdef QD_VNNI
-            acc_r = _mm256_dpbusd_epi32(acc_r, wu, xv);  // = maddubs + madd(1) + add, in one step
-#else
-            acc_r = _mm256_add_epi32(acc_r, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), _mm256_set1_epi16(1)));
-#endif
-            // keeps GCC from reassociating the (exact, so reorderable) integer sums into trees
-            // of products computed far ahead and spilled to the stack
-            __asm__("" : QD_ACC_REG(acc_r));
+            __m256i xv = load_x(i, 2 * s + h);
+            __asm__("" : QD_ACC_REG(xv));  // in a register: GCC would fold the load into each dot again
+            QD_UNROLL
+            for (int j = 0; j < NN; ++j) {
+              const __m256i wu = F::SIGNED ? _mm256_sign_epi8(w[j][h], w[j][h]) : w[j][h];  // |w|
+              dot(i, j, 2 * s + h, wu, F::SIGNED ? _mm256_sign_epi8(xv, w[j][h]) : xv);
+            }
           }
-        });
+        }
+      } else {  // weight row by weight row (fewer live registers)
+        QD_UNROLL
+        for (int j = 0; j < NN; ++j) {
+          F::seg(s, p[j], pre[j], [&](int v, __m256i w) __attribute__((always_inline)) {
+            const __m256i wu = F::SIGNED ? _mm256_sign_epi8(w, w) : w;  // |w| (|-128| = 128 unsigned)
+            QD_UNROLL
+            for (int i = 0; i < TT; ++i) {
+              const __m256i xv = load_x(i, v);
+              dot(i, j, v, wu, F::SIGNED ? _mm256_sign_epi8(xv, w) : xv);
+            }
+          });
+        }
       }
     }
     QD_UNROLL
     for (int i = 0; i < TT; ++i)
       QD_UNROLL
-      for (int j = 0; j < NN; ++j) F::finish(ia[i][j], pre[j], x[i], blk, acc + (i * NP + j) * 8);
+      for (int j = 0; j < NN; ++j) {
+        float* out = acc + (i * NP + j) * 8;
+        const float* in = first && blk == 0 ? ZERO8 : out;  // a panel's first chunk starts from 0
+        if constexpr (ONE_CHAIN) {
+          const __m256i two[2] = {ia[i][j][0], _mm256_setzero_si256()};
+          F::finish(two, pre[j], x[i], blk, in, out);
+        } else {
+          F::finish(ia[i][j], pre[j], x[i], blk, in, out);
+        }
+      }
     QD_UNROLL
     for (int j = 0; j < NN; ++j) p[j] += F::TS;
   }
 }
 
 template <class F, int TT>
-__attribute__((noinline)) void tile_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc) {
+__attribute__((noinline)) void tile_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc,
+                                          bool first) {
   constexpr int NN = nn_for<F>(TT);
   static_assert(NP % NN == 0, "NN must divide NP");
-  for (int j = 0; j < NP; j += NN) tile<F, TT, NN>(x, b + j, nblk, acc + j * 8);
+  for (int j = 0; j < NP; j += NN) tile<F, TT, NN>(x, b + j, nblk, acc + j * 8, first);
   // GCC 12 (-O1 and up) wrongly summarizes some instances (32-blocks, TT <= 2) as writing no
   // memory and drops their calls; a memory clobber keeps its interprocedural analysis honest.
   __asm__ volatile("" ::: "memory");
 }
 
-// tb input rows (consecutive chunks from x) against the panel.
+// tb input rows (consecutive chunks from x) against the panel; first: acc is not yet written
+// (the panel's first chunk: the tiles start from zero instead of reading acc).
 template <class F>
-void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, int tb) {
+void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, int tb, bool first) {
   int t = 0;
-  for (; t + TT_MAX <= tb; t += TT_MAX) tile_panel<F, TT_MAX>(x + t, b, nblk, acc + t * NP * 8);
+  for (; t + TT_MAX <= tb; t += TT_MAX) tile_panel<F, TT_MAX>(x + t, b, nblk, acc + t * NP * 8, first);
   switch (tb - t) {
     case 0: break;
-    case 1: tile_panel<F, 1>(x + t, b, nblk, acc + t * NP * 8); break;
-    case 2: tile_panel<F, 2>(x + t, b, nblk, acc + t * NP * 8); break;
-    case 3: tile_panel<F, 3>(x + t, b, nblk, acc + t * NP * 8); break;
-    case 4: tile_panel<F, 4>(x + t, b, nblk, acc + t * NP * 8); break;
-    case 5: tile_panel<F, 5>(x + t, b, nblk, acc + t * NP * 8); break;
-    case 6: tile_panel<F, 6>(x + t, b, nblk, acc + t * NP * 8); break;
-    case 7: tile_panel<F, 7>(x + t, b, nblk, acc + t * NP * 8); break;
+    case 1: tile_panel<F, 1>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 2: tile_panel<F, 2>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 3: tile_panel<F, 3>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 4: tile_panel<F, 4>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 5: tile_panel<F, 5>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 6: tile_panel<F, 6>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 7: tile_panel<F, 7>(x + t, b, nblk, acc + t * NP * 8, first); break;
     default: break;
   }
 }
@@ -594,7 +648,6 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
   for (int j = 0; j < NP; ++j) rows[j] = g.W + std::min<int64_t>(n0 + j, g.N - 1) * g.row_bytes;
   for (int64_t t0 = 0; t0 < T; t0 += TB) {
     const int tb = static_cast<int>(std::min<int64_t>(TB, T - t0));
-    std::memset(acc, 0, sizeof(float) * tb * NP * 8);
     for (int64_t c0 = 0; c0 < g.K; c0 += CHUNK) {
       if (t0 == 0 && pf) {
         const uint8_t* q = g.W + (n0 + PF_AHEAD * NP) * g.row_bytes + c0 / CHUNK * g.pf_step;
@@ -613,7 +666,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
       const int64_t nblk = 1;  // one (super-)block of 256 per row and step (a partial last one padded)
       const uint8_t* b[NP];
       for (int j = 0; j < NP; ++j) b[j] = rows[j] + c0 / F::BS * F::TS;
-      rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb);
+      rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb, c0 == 0);
     }
     for (int t = 0; t < tb; ++t)
       store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr);
@@ -680,7 +733,8 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   // first panel starts cold (its prefetch chain begins there): with 8 runs per thread the 1.5B's
   // linears took 13% longer at 1 row (the 0.5B's 10%), and 1 run per thread was no faster than 2.
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-  const int64_t run = std::max<int64_t>(1, (panels + 2 * nt - 1) / (2 * nt));
+  const int64_t per_thread = T >= 4 ? 4 : 2;
+  const int64_t run = std::max<int64_t>(1, (panels + per_thread * nt - 1) / (per_thread * nt));
   struct Item {
     int job;
     int64_t p0, p1;
