@@ -10,8 +10,10 @@
 //   fp32 scale d = amax/127, plus sums of q per group) and per 32 values for Q4_0, Q4_1, Q5_0,
 //   Q8_0 (fp32 scale, sum of q per 32). The kernel then works in integers: the weight bytes of a
 //   block are unpacked once in registers (nibbles, 6-bit values, or signed bytes) and reused for
-//   every input row of the register tile (1..8 rows x 1..4 weight rows), multiplied with dpbusd
-//   (AVX2: maddubs + madd; u8 x i8, no saturation for any input). Every format runs in its
+//   every input row of the register tile (TT input rows x NN weight rows: 1x4, 2..4 x 2, 5..8 x 1;
+//   5..8 x 2 in the AVX-512 build, whose 32 registers also let each activation vector be loaded
+//   once for both weight rows), multiplied with dpbusd (AVX2: maddubs + madd; u8 x i8, no
+//   saturation for any input). Every format runs in its
 //   "lane layout" (repack_lanes, done once per weight: the same values moved within each Q4_K /
 //   Q6_K block, or 8 blocks of a 32-block format regrouped per 256 values): lane j of every
 //   register holds group j, so the integer sums come out per group and the group scales are
