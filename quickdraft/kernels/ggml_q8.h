@@ -563,15 +563,15 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
           F::seg(s, p[j], pre[j], [&](int v, __m256i wv) __attribute__((always_inline)) { w[j][v - 2 * s] = wv; });
         QD_UNROLL
         for (int h = 0; h < 2; ++h) {
+          __m256i wu[NN];
+          QD_UNROLL
+          for (int j = 0; j < NN; ++j) wu[j] = F::SIGNED ? _mm256_sign_epi8(w[j][h], w[j][h]) : w[j][h];  // |w|
           QD_UNROLL
           for (int i = 0; i < TT; ++i) {
             __m256i xv = load_x(i, 2 * s + h);
             __asm__("" : QD_ACC_REG(xv));  // in a register: GCC would fold the load into each dot again
             QD_UNROLL
-            for (int j = 0; j < NN; ++j) {
-              const __m256i wu = F::SIGNED ? _mm256_sign_epi8(w[j][h], w[j][h]) : w[j][h];  // |w|
-              dot(i, j, 2 * s + h, wu, F::SIGNED ? _mm256_sign_epi8(xv, w[j][h]) : xv);
-            }
+            for (int j = 0; j < NN; ++j) dot(i, j, 2 * s + h, wu[j], F::SIGNED ? _mm256_sign_epi8(xv, w[j][h]) : xv);
           }
         }
       } else {  // weight row by weight row (fewer live registers)
