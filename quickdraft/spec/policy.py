@@ -125,7 +125,6 @@ class AutoDrafter:
         self.candidates = candidates
         self.cost = cost
         self.fixed_k = fixed_k
-        self.probe_every = PROBE_EVERY
         self.usage: dict[str, int] = {c.drafter.name: 0 for c in candidates} | {"none": 0}
         self._chosen: Candidate | None = None
         self._k = 0
@@ -182,7 +181,7 @@ class AutoDrafter:
                 k, rate = limit, estimate(limit) / self.cost(limit + 1)
             else:
                 k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
-            if c.idle > self.probe_every and limit > 0:
+            if c.idle > PROBE_EVERY and limit > 0:
                 stale.append((c.idle, c, min(PROBE_K, limit), preview))
             if k > 0 and rate > best[0]:
                 best = (rate, c, k, preview)
