@@ -21,6 +21,8 @@ from quickdraft.errors import QuickdraftError
 class KVCache:
     """Keys and values of every layer, ``[layers, kv_heads, max_len, head_dim]`` each."""
 
+    copyable = True  # snapshot/restore hold the whole state (a sharded cache's other ranks do not)
+
     def __init__(
         self,
         num_layers: int,
@@ -79,3 +81,26 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes in every layer."""
+        num_layers, num_kv_heads, _, head_dim = self.k.shape
+        return 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
+
+    def snapshot(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the first ``n`` slots' keys and values, ``[L, Hkv, n, D]`` each, on the host
+        (a prefix cache keeps it while this cache serves other sequences)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot snapshot {n} slots of a cache of length {self.length}")
+        return self.k[:, :, :n].to("cpu", copy=True), self.v[:, :, :n].to("cpu", copy=True)
+
+    def restore(self, kv: tuple[torch.Tensor, torch.Tensor], n: int) -> None:
+        """Load the first ``n`` slots of a :meth:`snapshot` and truncate after them: the cache is then
+        bitwise the state that computed the snapshot had after its first ``n`` tokens."""
+        k, v = kv
+        if not 0 <= n <= k.shape[2] or n > self.max_len:
+            raise ValueError(f"cannot restore {n} slots from a snapshot of {k.shape[2]} into a cache of {self.max_len}")
+        self.k[:, :, :n] = k[:, :, :n]
+        self.v[:, :, :n] = v[:, :, :n]
+        self.length = n

@@ -10,6 +10,11 @@ pass then runs over [last token] + the tree's nodes with tree positions and a tr
 verdict is a root-to-node path, and ``cache.compact`` moves that path's KV behind the prefix.
 Drafters that read target features (``capture_layers``, see :mod:`quickdraft.spec.base`) get the
 captured hidden states of every row whose KV was kept, through ``feed``, before each commit.
+
+Prefill first asks the prefix cache (:mod:`quickdraft.prefix_cache`) for the longest already
+computed prefix of the prompt, then runs the rest in chunks of at most ``PREFILL_CHUNK`` rows: the
+same batch-invariant passes decoding uses, so a token's keys and values are bitwise the same
+whichever way its sequence was cut into passes, and a warm request equals a cold one.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.graphs import make_step_graphs
+from quickdraft.models.layers import PREFILL_CHUNK
 from quickdraft.models.llama import CausalLM
+from quickdraft.prefix_cache import PrefixCache, as_ids
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -56,6 +64,7 @@ class RequestStats:
 
     drafter: str = "none"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not recomputed)
     output_tokens: int = 0
     target_passes: int = 0  # verify/decode passes after the prefill
     drafted: int = 0
@@ -133,6 +142,7 @@ class StepOutput:
 @dataclass
 class _Request:
     prompt: torch.Tensor  # [P] long
+    prompt_ids: np.ndarray  # [P] int64, the same ids on the host (prefix matching)
     params: SamplingParams
     generator: torch.Generator
     stop: StopChecker
@@ -160,13 +170,15 @@ class Engine:
         max_len: int | None = None,
         cuda_graphs: str = "auto",
         warn: Callable[[str], None] = runtime_warning,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """``max_len``: KV cache length (default: the model's context; shorter for scratch runs).
         ``cuda_graphs``: replay decode/verify passes as CUDA graphs ('auto': where the model is on
         a CUDA device and supports them; 'on': the same, saying through ``warn`` where it cannot;
-        'off')."""
+        'off'). ``prefix_cache``: reuse computed prefixes across requests (default: off)."""
         self.model = model
         self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache or PrefixCache()
         self.cache = model.new_cache() if max_len is None else model.make_cache(max_len)
         self.device = model.device
         self.graphs = make_step_graphs(model, self.cache, cuda_graphs, warn=warn)
@@ -193,6 +205,13 @@ class Engine:
         req = self._start(prompt_ids, params, drafter)
         req.constraint = constraint
         req.capture = self._capture_layers(drafter)
+        try:
+            yield from self._steps(req, drafter, num_draft)
+        finally:  # finished, stopped or cancelled: what the cache holds is committed
+            held = np.concatenate([req.prompt_ids, np.asarray(req.output, dtype=np.int64)])
+            self.prefix_cache.release(held, self.cache, drafter)
+
+    def _steps(self, req: _Request, drafter: Drafter | None, num_draft: int) -> Iterator[StepOutput]:
         token, logits = self._prefill(req, drafter)
         step = self._emit(req, token, logits)
         if drafter is not None:
@@ -236,10 +255,11 @@ class Engine:
             )
         if params.max_tokens > room:  # finish with "length" where the context ends
             params = dataclasses.replace(params, max_tokens=room)
-        prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=self.device)
+        ids = as_ids(list(prompt_ids))
+        prompt = torch.from_numpy(ids).to(self.device)
         stats = RequestStats(drafter=getattr(drafter, "name", "none"), prompt_tokens=n, t_start=time.perf_counter())
         stop = StopChecker(self.tokenizer, params, prompt_ids)
-        return _Request(prompt, params, make_generator(params.seed, self.device), stop, stats)
+        return _Request(prompt, ids, params, make_generator(params.seed, self.device), stop, stats)
 
     def _capture_layers(self, drafter: Drafter | None) -> tuple[int, ...]:
         """The drafter's feature layers, checked against the target (0..L, L = final norm input)."""
@@ -280,10 +300,14 @@ class Engine:
         return hidden if rows is None else hidden.index_select(0, rows)
 
     def _prefill(self, req: _Request, drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor]:
-        self.cache.reset()
-        logits, captured = self._run(req, req.prompt, num_logits=1)  # [1, V]
+        cached = self.prefix_cache.reuse(req.prompt_ids, self.cache, drafter)
+        req.stats.cached_tokens = cached
+        logits, captured = self._prefill_rows(req, req.prompt[cached:])  # [1, V]
         if drafter is not None:
-            drafter.prefill(req.prompt, req.params)
+            if req.capture:  # it is fed the features of the computed rows only
+                drafter.prefill(req.prompt, req.params, cached=cached)  # type: ignore[call-arg]
+            else:
+                drafter.prefill(req.prompt, req.params)
             hidden = self._features(req, captured, None)
             if hidden is not None:
                 drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
@@ -294,6 +318,19 @@ class Engine:
             token = sample_tokens(probs_from_logits(processed), req.generator)
         req.stats.t_first = time.perf_counter()
         return token, logits
+
+    def _prefill_rows(self, req: _Request, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run ``ids`` [T] in passes of at most PREFILL_CHUNK rows; logits [1, V] of the last row
+        and each captured layer's rows [T, H]."""
+        parts: list[list[torch.Tensor]] = []
+        logits = torch.empty(0)
+        for s in range(0, ids.shape[0], PREFILL_CHUNK):
+            last = s + PREFILL_CHUNK >= ids.shape[0]
+            logits, captured = self._run(req, ids[s : s + PREFILL_CHUNK], num_logits=1 if last else 0)
+            parts.append(captured)
+        if len(parts) == 1:
+            return logits, parts[0]
+        return logits, [torch.cat(rows) for rows in zip(*parts, strict=True)]
 
     def _process(self, req: _Request, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The distribution to pick from at each row: constraint mask, then sampling transforms."""

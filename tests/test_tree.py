@@ -738,9 +738,13 @@ class Recorder(TreeOracle):
         self.capture_layers = layers
         self.fed: list[torch.Tensor] = []
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
+        assert cached == 0  # it holds no features across requests (covered is 0)
         super().prefill(prompt_ids, params)
         self.fed = []
+
+    def covered(self, prompt_ids: torch.Tensor) -> int:
+        return 0
 
     def feed(self, hidden: torch.Tensor) -> None:
         self.fed.append(hidden.clone())

@@ -142,7 +142,7 @@ class StepGraphs:
         assert g.logits is not None and g.captured is not None
         self.cache.advance(t)
         self.replays += 1
-        logits = g.logits if num_logits is None else g.logits[-num_logits:]
+        logits = g.logits if num_logits is None else g.logits[t - num_logits :]
         return logits.clone(), [c.clone() for c in g.captured]
 
     def _new(self, t: int, span: int) -> _Graph:

@@ -19,7 +19,10 @@ from quickdraft.config import ModelConfig
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_multi
 
 ROW_BLOCK = 8  # rows per matmul in the decode/verify path
-BLOCKED_MAX_ROWS = 64  # passes with more rows (long prefills) take the plain, fastest path
+BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path
+# Prefills run in passes of at most this many rows: the batch-invariant path, so a token's keys and
+# values are bitwise the same however its sequence is cut into passes (prefix reuse stays exact).
+PREFILL_CHUNK = BLOCKED_MAX_ROWS
 
 
 class Linear(nn.Linear):

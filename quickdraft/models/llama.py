@@ -17,6 +17,7 @@ from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
 from quickdraft.models.layers import (
     BLOCKED_MAX_ROWS,
+    PREFILL_CHUNK,
     DecoderLayer,
     Linear,
     RMSNorm,
@@ -90,7 +91,7 @@ class CausalLM(nn.Module):
 
         positions: RoPE positions [T] (default: the slots themselves). mask: [T, start + T] bool for
         trees (default: causal). capture: layer indices whose INPUT hidden state [T, H] is returned
-        (index L = the final norm's input). num_logits: compute logits only for the last n rows.
+        (index L = the final norm's input). num_logits: compute logits only for the last n rows (0: none).
         Returns logits [n, V] in float32 and the captured hidden states.
         """
         t = ids.shape[0]
@@ -110,9 +111,23 @@ class CausalLM(nn.Module):
         else:
             x, captured = self._layers(x, step, capture)
         cache.advance(t)
+        if num_logits == 0:  # a prefill chunk before the last: keys and values only
+            return x.new_zeros(0, self.config.vocab_size, dtype=torch.float32), captured
         if num_logits is not None:
             x = x[-num_logits:]
         return self.logits(x), captured
+
+    def prefill(
+        self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`forward` over ``ids`` [T] in passes of at most PREFILL_CHUNK rows (bitwise the keys
+        and values of any other cut); logits [1, V] of the last row."""
+        logits = torch.empty(0)
+        for s in range(0, ids.shape[0], PREFILL_CHUNK):
+            last = s + PREFILL_CHUNK >= ids.shape[0]
+            pos = None if positions is None else positions[s : s + PREFILL_CHUNK]
+            logits, _ = self(ids[s : s + PREFILL_CHUNK], cache, positions=pos, num_logits=1 if last else 0)
+        return logits
 
     @torch.inference_mode()
     def forward_static(

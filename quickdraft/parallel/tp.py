@@ -242,6 +242,8 @@ class TPKVCache(KVCache):
 
     tp_id: int
     tp_owner: TPCausalLM
+    # the other ranks hold their own slices: a prefix cache reuses this cache by truncation only
+    copyable = False
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         self.tp_owner.send_compact(self, start, keep)

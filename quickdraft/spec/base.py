@@ -26,12 +26,23 @@ Target features (optional, for drafters such as EAGLE-3 that read the target's h
 
 :class:`FeatureDrafter` is that extended protocol; :func:`capture_layers_of` reads the attribute
 from any drafter.
+
+Reuse across requests (the engine's prefix cache, :mod:`quickdraft.prefix_cache`). ``prefill``
+keeps whatever of the drafter's own state is still valid for the new prompt (the longest common
+prefix of the ids it has read) and computes only the rest; the state it then holds must be bitwise
+what a prefill from nothing builds, so a warm request drafts exactly as a cold one. Optionally,
+``snapshot()`` returns a copy of that state (host memory) and ``restore(state)`` loads one back;
+the prefix cache keeps snapshots beside its stored sequences. A feature drafter cannot compute its
+state from ids: ``covered(prompt_ids)`` says for how many leading prompt tokens it still holds
+features (the engine never reuses more of the target's cache than that), and its ``prefill`` gets
+``cached``, the count the engine reused: features then come for the rows from ``cached`` on.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 from torch import Tensor
 
 from quickdraft.sampling import SamplingParams
@@ -56,11 +67,27 @@ class Drafter(Protocol):
         """Forget the request."""
 
 
+class ReusableDrafter(Drafter, Protocol):
+    """A drafter whose state the prefix cache can keep (see the module docstring)."""
+
+    def snapshot(self) -> object:
+        """A copy of the drafter's state for the ids it has read (host memory)."""
+
+    def restore(self, state: object) -> None:
+        """Load a :meth:`snapshot` back; the next ``prefill`` reuses what of it matches."""
+
+
 @runtime_checkable
 class FeatureDrafter(Drafter, Protocol):
     """A drafter that reads the target's hidden states (see the module docstring)."""
 
     capture_layers: tuple[int, ...]
+
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
+        """Start a request whose first ``cached`` tokens the target did not recompute."""
+
+    def covered(self, prompt_ids: Tensor | np.ndarray) -> int:
+        """How many leading ``prompt_ids`` this drafter holds features for."""
 
     def feed(self, hidden: Tensor) -> None:
         """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""

@@ -15,6 +15,14 @@ hundred missed tokens would cost the 0.5B draft ~300 ms, several target passes. 
 MAX_CATCH_UP at their true positions instead and drafts with a gap in its context (its cache
 slots then lag the positions by ``offset``). Drafts stay lossless whatever the draft reads.
 
+Reuse across requests: ``slot_tokens`` / ``slot_positions`` record which token at which position
+every cache slot holds. ``prefill`` keeps the leading slots that agree with the new prompt (the
+previous turn of a conversation, a restored snapshot) and reads only the prompt after them, in
+PREFILL_CHUNK-row passes (bitwise the keys and values of one long read). With ``prefill_window``
+it reads at most the last max(window, rest / 4) of what is left to read, at their true positions
+(the same gap as a capped catch-up): under ``--draft auto`` the draft must not add much to the
+first token's time on a long prompt (reading it all costs ~30% of the target's prefill).
+
 With ``stop_below`` > 0 a proposal ends early, after the first token the draft itself is unsure
 of (its top probability under ``stop_below``; that token is still offered): the caller asks for
 up to k and the draft spends passes only where the target is likely to agree. (Hugging Face's
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -74,17 +83,22 @@ class DraftModelDrafter:
         eager: bool = False,
         vocab: DraftVocab | None = None,
         stop_below: float = 0.0,
+        prefill_window: int | None = None,
     ) -> None:
         """``eager``: read the prompt at prefill (as the engine's drafters do), instead of at its
         first use (for a mix where it may never be used for the request). ``vocab``:
         the ids the draft may propose (its output head is cut to them plus each prompt's ids).
-        ``stop_below``: end a proposal after a token whose draft probability is below it (0: never)."""
+        ``stop_below``: end a proposal after a token whose draft probability is below it (0: never).
+        ``prefill_window``: read at most max(window, rest / 4) prompt tokens at prefill (None: all)."""
         check_draft_confidence(stop_below)
         self.model = model
         self.stop_below = stop_below
         self.vocab = vocab
         self.eager = eager
+        self.prefill_window = prefill_window
         self.cache = model.new_cache()
+        self.slot_tokens: list[int] = []  # the token each cache slot holds ...
+        self.slot_positions: list[int] = []  # ... and its position
         self.target_vocab = target_vocab
         self.pending: list[int] = []
         self.params = SamplingParams()
@@ -99,15 +113,55 @@ class DraftModelDrafter:
         # stays lossless, a closer one just accepts more).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         self.generator = make_generator(None if params.seed is None else params.seed + 1)
-        self.cache.reset()
-        self.offset = 0
         if self.vocab is not None:
             self.vocab.apply(self.model, prompt_ids)
-        self.pending = [int(t) for t in prompt_ids.tolist()]
+        ids = prompt_ids.tolist()
+        keep = self._valid_slots(ids)
+        self._truncate(keep)
+        start = self.slot_positions[-1] + 1 if keep else 0  # the first position not read
+        self.offset = start - keep
+        self.pending = ids[start:]
         self._proposed = None
         if self.eager and len(self.pending) > 1:
-            self.model(prompt_ids[:-1].to(self.model.device), self.cache, num_logits=1)
+            rest = len(self.pending) - 1  # the last prompt token is read by the first proposal
+            if self.prefill_window is not None and rest > self.prefill_window:
+                skip = rest - max(self.prefill_window, rest // 4)
+                self.offset, self.pending = self.offset + skip, self.pending[skip:]
+            self._read(self.pending[:-1])
             self.pending = self.pending[-1:]
+
+    def _valid_slots(self, ids: list[int]) -> int:
+        """How many leading cache slots hold the token ``ids`` has at their position (the last
+        prompt position excluded: it is read when drafting starts)."""
+        n = 0
+        for pos, tok in zip(self.slot_positions, self.slot_tokens, strict=True):
+            if pos >= len(ids) - 1 or ids[pos] != tok:
+                break
+            n += 1
+        return n
+
+    def _read(self, tokens: list[int]) -> None:
+        """Read ``tokens`` into the cache at the next positions (no logits)."""
+        start = self.cache.length + self.offset
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+        positions = torch.arange(start, start + len(tokens), device=self.model.device) if self.offset else None
+        self.model.prefill(ids, self.cache, positions=positions)
+        self.slot_tokens.extend(tokens)
+        self.slot_positions.extend(range(start, start + len(tokens)))
+
+    def _truncate(self, n: int) -> None:
+        self.cache.truncate(n)
+        del self.slot_tokens[n:], self.slot_positions[n:]
+
+    def snapshot(self) -> tuple[tuple[Tensor, Tensor], list[int], list[int]]:
+        n = self.cache.length
+        return self.cache.snapshot(n), self.slot_tokens[:n], self.slot_positions[:n]
+
+    def restore(self, state: object) -> None:
+        kv, tokens, positions = cast(tuple[tuple[Tensor, Tensor], list[int], list[int]], state)
+        self.cache.restore(kv, len(tokens))
+        self.slot_tokens, self.slot_positions = list(tokens), list(positions)
+        self.pending, self._proposed = [], None
 
     def propose(self, k: int) -> Draft:
         if k <= 0 or not self.pending:
@@ -124,11 +178,11 @@ class DraftModelDrafter:
         tokens, qs = [], []
         for _ in range(k):
             t0 = time.perf_counter()
-            positions = None
-            if self.offset:
-                start = self.cache.length + self.offset
-                positions = torch.arange(start, start + ids.shape[0], device=self.model.device)
+            start = self.cache.length + self.offset
+            positions = torch.arange(start, start + ids.shape[0], device=self.model.device) if self.offset else None
             logits, _ = self.model(ids, self.cache, positions=positions, num_logits=1)  # [1, V_draft]
+            self.slot_tokens.extend(ids.tolist())
+            self.slot_positions.extend(range(start, start + ids.shape[0]))
             if ids.shape[0] == 1:
                 self.last_token_seconds = time.perf_counter() - t0
             tok, q = self._pick(logits)
@@ -165,12 +219,12 @@ class DraftModelDrafter:
             return
         k = int(self._proposed.shape[0])
         read = len(self.pending) + min(num_accepted, k - 1)  # tokens of this step now in the cache
-        self.cache.truncate(self._base + read)
+        self._truncate(self._base + read)
         self.pending = ([int(self._proposed[k - 1])] if num_accepted == k else []) + emitted[num_accepted:]
         self._proposed = None
 
     def reset(self) -> None:
-        self.cache.reset()
+        self._truncate(0)
         self.offset = 0
         self.pending = []
         self._proposed = None

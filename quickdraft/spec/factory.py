@@ -42,6 +42,7 @@ from quickdraft.spec.vocab import DraftVocab, corpus_token_ranks
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 MAX_AUTO_K = 8
 NGRAM_PRIOR, DRAFT_PRIOR, EAGLE_PRIOR = 0.6, 0.7, 0.8
+PREFILL_WINDOW = 128  # prompt tokens a draft model under the cost model reads at least (see below)
 
 
 
@@ -152,8 +153,12 @@ def _base_drafters(
         # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
         # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
         # cost model then rarely lets the draft model start at all.
+        # Under the cost model (k auto) it reads at most the last max(PREFILL_WINDOW, rest / 4) tokens
+        # of a long prompt: reading all of it would add ~30% to the first token's time.
+        window = PREFILL_WINDOW if cfg.num_draft is None else None
         drafter = DraftModelDrafter(
-            draft.model, target.config.vocab_size, eager=True, vocab=vocab, stop_below=cfg.draft_confidence
+            draft.model, target.config.vocab_size, eager=True, vocab=vocab, stop_below=cfg.draft_confidence,
+            prefill_window=window,
         )
         out.append((drafter, DRAFT_PRIOR, per_token, curve))
     return out

@@ -18,6 +18,7 @@ O(new tokens * max_ngram), so a proposal costs a few dict lookups whatever the c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -131,8 +132,21 @@ class NGramDrafter:
         self.index = NGramIndex(max_ngram, min_ngram)
 
     def prefill(self, prompt_ids: Tensor, params: object) -> None:
-        self.index.reset()
-        self.index.extend(prompt_ids)
+        # The index is a function of its ids alone: one that the prompt extends (the next turn of
+        # a conversation) only needs the new ids; any other is rebuilt.
+        ids = _as_numpy(prompt_ids)
+        held = np.asarray(self.index.tokens, dtype=np.int64)
+        if len(held) > len(ids) or not np.array_equal(held, ids[: len(held)]):
+            self.index.reset()
+            held = held[:0]
+        self.index.extend(ids[len(held) :].tolist())
+
+    def snapshot(self) -> tuple[list[int], dict[tuple[int, ...], int]]:
+        return list(self.index.tokens), dict(self.index._last_end)
+
+    def restore(self, state: object) -> None:
+        tokens, last_end = cast(tuple[list[int], dict[tuple[int, ...], int]], state)
+        self.index.tokens, self.index._last_end = list(tokens), dict(last_end)
 
     def propose(self, k: int) -> Draft:
         return Draft(tokens=self.index.propose_tensor(k))

@@ -152,9 +152,26 @@ class AutoDrafter:
             cols = [hidden[:, b * width : (b + 1) * width] for b in blocks]
             c.drafter.feed(torch.cat(cols, dim=-1))  # type: ignore[attr-defined]
 
-    def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         for c in self.candidates:
-            c.drafter.prefill(prompt_ids, params)
+            if capture_layers_of(c.drafter):
+                c.drafter.prefill(prompt_ids, params, cached=cached)  # type: ignore[call-arg]
+            else:
+                c.drafter.prefill(prompt_ids, params)
+
+    def covered(self, prompt_ids: Tensor) -> int:
+        """The fewest leading prompt tokens any feature-reading candidate holds features for."""
+        return min((c.drafter.covered(prompt_ids) for c in self.candidates  # type: ignore[attr-defined]
+                    if capture_layers_of(c.drafter)), default=len(prompt_ids))
+
+    def snapshot(self) -> list[object]:
+        """Each candidate's snapshot (None for one that keeps no state worth copying)."""
+        return [c.drafter.snapshot() if hasattr(c.drafter, "snapshot") else None for c in self.candidates]
+
+    def restore(self, state: object) -> None:
+        for c, part in zip(self.candidates, state, strict=True):  # type: ignore[call-overload]
+            if part is not None:
+                c.drafter.restore(part)  # type: ignore[attr-defined]
 
     def propose(self, k: int) -> Draft | DraftTree:
         chosen, draft = self._choose(k)

@@ -4,9 +4,9 @@ State. The head keeps its own one-layer KV cache whose slot j holds row j = (tar
 position j, embedding of token j+1), RoPE position j (see ``head.py``). The engine feeds the target
 features of every token whose KV it kept (``feed``) before each ``commit``, so after a commit the
 drafter has features for every committed token except the newest one. Rows are run lazily: the
-fed features wait in ``pending`` until the next ``propose`` runs them in one pass (the "root pass");
-its last row (feature of the second-newest token + embedding of the newest) predicts the first
-drafted token. Worked example::
+fed features wait (``features`` rows from ``cache.length`` to ``fed``) until the next ``propose``
+runs them (the "root pass", in PREFILL_CHUNK-row passes); its last row (feature of the
+second-newest token + embedding of the newest) predicts the first drafted token. Worked example::
 
     committed x0..x5, fed features f0..f4, cache rows 0..2      pending f3, f4
     propose:  root pass rows 3 (f3, x4), 4 (f4, x5) -> cache rows 0..4; row 4 predicts x6
@@ -16,6 +16,11 @@ drafted token. Worked example::
 
 Rows drafted from the head's own output are never kept: the target's features replace them once
 the target has read those tokens, so "rollback" is only truncating back to the root pass.
+
+Reuse across requests: the drafter keeps every fed feature, so a new prompt that shares m leading
+tokens with what it holds (``covered``) keeps rows 0..m-2 (row m-1 embeds token m, which may
+differ) and re-runs only the rows after them; ``snapshot`` / ``restore`` copy that state for the
+prefix cache.
 
 Trees (EAGLE-2, Li et al. 2024, arXiv 2406.16858). Depth 1 holds the top_k tokens of the root row.
 Each further depth runs the top_k nodes of the depth before with the highest path confidence
@@ -43,11 +48,14 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.layers import PREFILL_CHUNK
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
@@ -162,8 +170,8 @@ class Eagle3Drafter:
         self.params = SamplingParams()
         self.generator = make_generator(0, head.device)
         self.tokens: list[int] = []
-        self.fed = 0
-        self.pending: list[Tensor] = []
+        self.fed = 0  # features held: positions 0..fed-1
+        self.features: Tensor | None = None  # [capacity, n * Ht], rows 0..fed-1 valid
         self._last: _Proposal | None = None
         self._t_ready = 0.0
 
@@ -174,20 +182,53 @@ class Eagle3Drafter:
         """Calibration factor: observed accepted tokens / sum of predicted confidences."""
         return min(max(self._obs / self._pred, ALPHA_RANGE[0]), ALPHA_RANGE[1])
 
-    def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
+        """Start a request; the first ``cached`` prompt tokens keep the features held for them
+        (at most :meth:`covered`), the engine feeds the rest."""
         # q only has to be shaped like p without penalties (any q keeps verification lossless).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         self.generator = make_generator(None if params.seed is None else params.seed + 2, self.head.device)
-        self.reset()
-        self.tokens = [int(t) for t in prompt_ids.tolist()]
+        tokens = [int(t) for t in prompt_ids.tolist()]
+        if cached > self.covered(tokens):
+            raise ValueError(f"EAGLE-3 drafter holds features for {self.covered(tokens)} prompt tokens, not {cached}")
+        self.cache.truncate(min(self.cache.length, max(cached - 1, 0)))  # row j embeds token j + 1
+        self.tokens, self.fed = tokens, cached
+        self._last, self._t_ready, self._last_row = None, 0.0, None
+
+    def covered(self, prompt_ids: Tensor | np.ndarray | list[int]) -> int:
+        """Leading prompt tokens this drafter holds features for (features of position j depend on
+        tokens 0..j only)."""
+        ids = np.asarray(prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids, dtype=np.int64)
+        n = min(self.fed, len(ids), len(self.tokens))
+        diff = np.flatnonzero(np.asarray(self.tokens[:n], dtype=np.int64) != ids[:n])
+        return int(diff[0]) if diff.size else n
 
     def feed(self, hidden: Tensor) -> None:
         """Target features [n, len(capture_layers) * Ht] of the next n committed positions."""
         expected = len(self.capture_layers) * self.head.config.target_hidden_size
         if hidden.dim() != 2 or hidden.shape[1] != expected:
             raise ValueError(f"EAGLE-3 features must be [n, {expected}], got {tuple(hidden.shape)}")
-        self.pending.append(hidden)
-        self.fed += int(hidden.shape[0])
+        n = int(hidden.shape[0])
+        buf = self.features
+        if buf is None or buf.shape[0] < self.fed + n or buf.dtype != hidden.dtype:
+            grown = hidden.new_empty(max(2 * (self.fed + n), 256), expected)
+            if buf is not None and self.fed:
+                grown[: self.fed] = buf[: self.fed]
+            self.features = buf = grown
+        buf[self.fed : self.fed + n] = hidden
+        self.fed += n
+
+    def snapshot(self) -> tuple[tuple[Tensor, Tensor], Tensor, list[int]]:
+        """Head rows, features and ids held (a copy, on the host)."""
+        feats = self.features[: self.fed].to("cpu", copy=True) if self.features is not None else torch.empty(0)
+        return self.cache.snapshot(self.cache.length), feats, self.tokens[: self.fed + 1]
+
+    def restore(self, state: object) -> None:
+        kv, feats, tokens = cast(tuple[tuple[Tensor, Tensor], Tensor, list[int]], state)
+        self.cache.restore(kv, kv[0].shape[2])
+        self.features = feats.to(self.head.device, copy=True) if feats.numel() else None
+        self.fed, self.tokens = int(feats.shape[0]), list(tokens)
+        self._last, self._t_ready, self._last_row = None, 0.0, None
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         emitted = [int(t) for t in tokens.tolist()]
@@ -200,7 +241,7 @@ class Eagle3Drafter:
 
     def reset(self) -> None:
         self.cache.reset()
-        self.tokens, self.fed, self.pending = [], 0, []
+        self.tokens, self.fed = [], 0
         self._last, self._t_ready, self._last_row = None, 0.0, None
 
     @torch.inference_mode()
@@ -227,23 +268,23 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def catch_up(self) -> tuple[Tensor, Tensor] | None:
-        """Run the pending feature rows into the cache; (logits [1, Vd], h [1, H]) of the last one.
+        """Run the waiting feature rows into the cache; (logits [1, Vd], h [1, H]) of the last one.
 
         None when there is nothing to draft from (no features, or tokens and features out of step).
         """
-        if self.fed == 0 or len(self.tokens) != self.fed + 1:
+        if self.fed == 0 or len(self.tokens) != self.fed + 1 or self.features is None:
             return None
         start = self.cache.length
-        if not self.pending:
-            return None if start == 0 else self._last_row
+        if start == self.fed:
+            return self._last_row
         if self.cache.max_len - start < self.fed - start + self.shape.max_depth * self.shape.top_k:
             return None  # the context is nearly full: nothing left to draft into
-        feats = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
-        self.pending = []
-        ids = torch.tensor(self.tokens[start + 1 : self.fed + 1], dtype=torch.long, device=self.head.device)
         t0 = time.perf_counter()
-        logits, h = self.head(self._embed(ids), self.head.fuse(feats), self.cache, num_logits=1)
-        if ids.shape[0] <= 2:
+        for s in range(start, self.fed, PREFILL_CHUNK):
+            e = min(s + PREFILL_CHUNK, self.fed)
+            ids = torch.tensor(self.tokens[s + 1 : e + 1], dtype=torch.long, device=self.head.device)
+            logits, h = self.head(self._embed(ids), self.head.fuse(self.features[s:e]), self.cache, num_logits=1)
+        if self.fed - start <= 2:
             self._time_pass(t0)
         self._last_row = (logits, h[-1:])
         return self._last_row
