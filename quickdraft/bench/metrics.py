@@ -134,6 +134,7 @@ class Record:
     draft_seconds: float | None = None
     verify_seconds: float | None = None
     peak_rss_mb: float | None = None  # peak RSS of this process so far (None for an endpoint)
+    cached_tokens: int | None = None  # prompt tokens reused from a prefix cache (None: not reported)
     speedup: float | None = None  # tokens/s over the baseline method on the same prompt and turn
     same_as_baseline: bool | None = None  # greedy runs: identical output to the baseline method
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. how often auto picked each drafter
@@ -152,6 +153,24 @@ def fill_speedups(records: list[Record], baseline: str) -> None:
             continue
         r.speedup = speedup(r.tokens_per_second, b.tokens_per_second)
         r.same_as_baseline = r.text == b.text
+
+
+def by_turn(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """TTFT, output speed, tau and cached prompt tokens per turn index (multi-turn datasets)."""
+    turns = sorted({r.turn for r in records})
+    out = []
+    for t in turns:
+        rs = [r for r in records if r.turn == t]
+        out.append({
+            "turn": t,
+            "requests": len(rs),
+            "prompt_tokens": asdict(summarize(r.prompt_tokens for r in rs)),
+            "cached_tokens": asdict(summarize(r.cached_tokens for r in rs)),
+            "ttft": asdict(summarize(r.ttft for r in rs)),
+            "tokens_per_second": asdict(summarize(r.tokens_per_second for r in rs)),
+            "tau": asdict(summarize(r.tau for r in rs)),
+        })
+    return out
 
 
 def summarize_method(records: Sequence[Record]) -> dict[str, Any]:
@@ -179,5 +198,6 @@ def summarize_method(records: Sequence[Record]) -> dict[str, Any]:
         ),
         "drafted_by_position": _pooled(r.drafted_per_position for r in has_spec),
         "peak_rss_mb": max(rss) if rss else None,
+        "by_turn": by_turn(records),
         "same_as_baseline": f"{sum(same)}/{len(same)}" if same else None,
     }

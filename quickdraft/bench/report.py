@@ -86,7 +86,32 @@ def write_outputs(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     _atomic_write(paths["json"], json.dumps(report, indent=2, allow_nan=False) + "\n")
     _atomic_write(paths["md"], markdown(report, png_name=paths["png"].name))
     plot(report, paths["png"])
+    if plot_ttft_by_turn(report, out_dir / "ttft_by_turn.png"):
+        paths["ttft_png"] = out_dir / "ttft_by_turn.png"
     return paths
+
+
+def plot_ttft_by_turn(report: dict[str, Any], path: Path) -> bool:
+    """Median TTFT per turn, one line per method (log scale); False when there is one turn."""
+    from matplotlib.figure import Figure
+
+    series = {n: s.get("by_turn", []) for n, s in report["summary"].items()}
+    if max((len(v) for v in series.values()), default=0) < 2:
+        return False
+    fig = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
+    ax = fig.subplots()
+    for i, (name, turns) in enumerate(series.items()):
+        pts = [(t["turn"] + 1, t["ttft"]["median"]) for t in turns if t["ttft"]["median"] is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", color=f"C{i % 10}", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token, s (median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title(f"{report['model']['spec']} on {report['dataset']['name']}: TTFT per turn", fontsize=10)
+    fig.savefig(path, format="png")
+    return True
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -209,6 +234,7 @@ def markdown(report: dict[str, Any], png_name: str = "bench.png") -> str:
         "",
         *_md_table(SUMMARY_HEADER, summary_rows(report)),
         "",
+        *_md_by_turn(report),
         "## Acceptance by draft position",
         "",
         *_md_acceptance(report),
@@ -226,6 +252,22 @@ def markdown(report: dict[str, Any], png_name: str = "bench.png") -> str:
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return out + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+
+
+def _md_by_turn(report: dict[str, Any]) -> list[str]:
+    """Per turn and method: median TTFT, cached prompt tokens, tok/s (multi-turn datasets only)."""
+    rows = []
+    for name, s in report["summary"].items():
+        for t in s.get("by_turn", []):
+            rows.append([str(t["turn"] + 1), name, _f(t["prompt_tokens"]["median"], 0),
+                         _f(t["cached_tokens"]["median"], 0), _f(t["ttft"]["median"], 3),
+                         _f(t["tokens_per_second"]["median"]), _f(t["tau"]["median"], 2)])
+    if len({r[0] for r in rows}) < 2:
+        return []
+    rows.sort(key=lambda r: int(r[0]))
+    header = ["turn", "method", "prompt tokens", "cached", "TTFT s", "tok/s", "tau"]
+    return ["## By turn (medians)", "", *_md_table(header, rows), "",
+            "![TTFT per turn](ttft_by_turn.png)", ""]
 
 
 def _md_acceptance(report: dict[str, Any]) -> list[str]:
@@ -254,6 +296,7 @@ def _md_records(report: dict[str, Any]) -> list[str]:
         "E2E s",
         "tau",
         "speedup",
+        "cached",
         "finish",
     ]
     rows = [
@@ -267,6 +310,7 @@ def _md_records(report: dict[str, Any]) -> list[str]:
             _f(r["e2e"], 2),
             _f(r["tau"], 2),
             _f(r["speedup"], 2, "x"),
+            "-" if r.get("cached_tokens") is None else f"{r['cached_tokens']}/{r['prompt_tokens']}",
             r["finish_reason"] or "-",
         ]
         for r in report["records"]

@@ -36,6 +36,7 @@ from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
 from quickdraft.engine import Engine, RequestStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, resolve
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec.base import Drafter
 from quickdraft.spec.factory import DEFAULT_DRAFTS, SpecConfig, build_drafter
@@ -60,6 +61,7 @@ class Trace:
     finish_reason: str | None
     token_ids: list[int] | None = None  # in-process only
     stats: RequestStats | None = None  # in-process only
+    cached_tokens: int | None = None  # prompt tokens the server reused (where it says)
     peak_rss_mb: float | None = None  # in-process only
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -74,6 +76,9 @@ class Contender(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """What this contender is, for the report."""
+
+    def new_conversation(self) -> None:
+        """A conversation starts: nothing of another contender's run may be reused."""
 
 
 def peak_rss_mb() -> float:
@@ -105,7 +110,12 @@ class InProcessContender:
             "drafter": getattr(self.drafter, "name", "none"),
             "num_draft": self.k,
             "setup_rss_mb": round(self.setup_mb, 1),
+            "prefix_cache_mb": self.engine.prefix_cache.budget_bytes >> 20,
         }
+
+    def new_conversation(self) -> None:
+        # All methods share one engine: a method must not reuse another's run of the same prompt.
+        self.engine.prefix_cache.clear()
 
     def run(
         self, messages: list[Message], params: SamplingParams, reference: Trace | None
@@ -134,6 +144,7 @@ class InProcessContender:
             step.finish_reason,
             token_ids,
             step.stats,
+            step.stats.cached_tokens,
             peak_rss_mb(),
             extra,
         )
@@ -207,6 +218,7 @@ class MethodOptions:
     draft_vocab: int = DEFAULT_DRAFT_VOCAB  # see SpecConfig.draft_vocab
     cuda_graphs: str = "auto"  # see Engine
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # see SpecConfig.draft_confidence
+    prefix_cache_bytes: int = 0  # see PrefixCache: turn n of a conversation reuses turn n - 1
 
 
 def parse_methods(text: str) -> list[str]:
@@ -284,7 +296,8 @@ def build_in_process(
     say: Callable[[str], None],
 ) -> list[InProcessContender]:
     """One contender per method over ONE loaded target (draft models are loaded per method)."""
-    engine = Engine(target.model, target.tokenizer, cuda_graphs=opts.cuda_graphs)
+    engine = Engine(target.model, target.tokenizer, cuda_graphs=opts.cuda_graphs,
+                    prefix_cache=PrefixCache(opts.prefix_cache_bytes))
     proc = psutil.Process()
     out: list[InProcessContender] = []
     for m in methods:
@@ -349,11 +362,23 @@ def chat_completions_url(url: str) -> str:
 
 def parse_sse_line(line: str) -> tuple[str, str | None, bool]:
     """(content delta, finish_reason, done) of one server-sent-events line of a chat stream."""
+    obj = sse_object(line)
+    if obj is None:
+        return "", None, line.startswith("data:") and line[5:].strip() == "[DONE]"
+    choices = obj.get("choices") or []
+    if not choices:
+        return "", None, False  # e.g. a usage-only chunk
+    delta = choices[0].get("delta") or {}
+    return delta.get("content") or "", choices[0].get("finish_reason"), False
+
+
+def sse_object(line: str) -> dict[str, Any] | None:
+    """The JSON object of one ``data:`` line (None for other lines and ``[DONE]``)."""
     if not line.startswith("data:"):
-        return "", None, False
+        return None
     payload = line[5:].strip()
     if payload == "[DONE]":
-        return "", None, True
+        return None
     try:
         obj = json.loads(payload)
     except json.JSONDecodeError:
@@ -362,11 +387,14 @@ def parse_sse_line(line: str) -> tuple[str, str | None, bool]:
         ) from None
     if "error" in obj:
         raise QuickdraftError(f"the endpoint reported an error: {obj['error']}")
-    choices = obj.get("choices") or []
-    if not choices:
-        return "", None, False  # e.g. a usage-only chunk
-    delta = choices[0].get("delta") or {}
-    return delta.get("content") or "", choices[0].get("finish_reason"), False
+    return obj
+
+
+def cached_tokens_of(obj: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a chunk (OpenAI's field), if present."""
+    details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return int(value) if isinstance(value, int) else None
 
 
 class EndpointContender:
@@ -397,6 +425,9 @@ class EndpointContender:
             "served_model": self.served_model,
         }
 
+    def new_conversation(self) -> None:
+        pass  # a server keeps what it keeps (e.g. llama.cpp's slot); we cannot and need not clear it
+
     def body(self, messages: list[Message], params: SamplingParams) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.served_model,
@@ -404,6 +435,7 @@ class EndpointContender:
             "stream": True,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
+            "stream_options": {"include_usage": True},
         }
         if params.seed is not None:
             body["seed"] = params.seed
@@ -420,6 +452,7 @@ class EndpointContender:
         chunk_times: list[float] = []
         finish: str | None = None
         t_start = time.perf_counter()
+        self._cached = None
         for content, reason in self._stream(self.body(messages, params)):
             if content:
                 chunk_times.append(time.perf_counter())
@@ -428,7 +461,9 @@ class EndpointContender:
         text = "".join(parts)
         n_out = len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
         n_prompt = len(self.tokenizer.encode_chat(messages, add_generation_prompt=True))
-        return Trace(text, t_start, chunk_times, n_out, n_prompt, finish)
+        return Trace(text, t_start, chunk_times, n_out, n_prompt, finish, cached_tokens=self._cached)
+
+    _cached: int | None = None
 
     def _stream(self, body: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
         import httpx
@@ -440,6 +475,9 @@ class EndpointContender:
                     raise QuickdraftError(f"{self.url} answered HTTP {resp.status_code}: {detail}")
                 for line in resp.iter_lines():
                     content, reason, done = parse_sse_line(line)
+                    obj = sse_object(line) if "prompt_tokens_details" in line else None
+                    if obj is not None:
+                        self._cached = cached_tokens_of(obj)
                     if done:
                         return
                     yield content, reason
@@ -526,18 +564,21 @@ def run_order(contenders: Sequence[Contender], index: int, baseline: str) -> lis
 def run_item(
     contenders: Sequence[Contender], index: int, item: Item, settings: BenchSettings
 ) -> Iterator[Record]:
-    """Every contender on each turn of one prompt; each turn follows that contender's own answers."""
-    answers: dict[str, list[str]] = {c.name: [] for c in contenders}
+    """Every contender through the whole conversation of one prompt, one contender after another:
+    each turn follows that contender's own answers, as a user's next message follows the last
+    answer (so turn n may reuse what turn n - 1 computed)."""
     params = settings.params(index)
-    order = run_order(contenders, index, settings.baseline)
-    for turn in range(len(item.turns)):
-        reference: Trace | None = None
-        for c in order:
+    references: list[Trace] = []  # the baseline's trace of each turn
+    for c in run_order(contenders, index, settings.baseline):
+        c.new_conversation()
+        answers: list[str] = []
+        for turn in range(len(item.turns)):
             gc.collect()  # outside the timed region, so a collection does not land inside it
-            trace = c.run(item.messages(answers[c.name]), params, reference)
-            answers[c.name].append(trace.text)
+            reference = references[turn] if turn < len(references) else None
+            trace = c.run(item.messages(answers), params, reference)
+            answers.append(trace.text)
             if c.name == settings.baseline:
-                reference = trace
+                references.append(trace)
             yield make_record(c.name, index, item, turn, params.seed, trace)
 
 
@@ -565,6 +606,7 @@ def make_record(
         tokens_per_second=m.tokens_per_second,
         finish_reason=trace.finish_reason,
         peak_rss_mb=trace.peak_rss_mb,
+        cached_tokens=trace.cached_tokens,
         extra=trace.extra,
         text=trace.text,
     )

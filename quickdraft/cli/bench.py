@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from quickdraft.cli.common import DEFAULT_MODEL, add_device_args, info
-from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB, DTYPE_CHOICES
+from quickdraft.config import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_DRAFT_VOCAB,
+    DTYPE_CHOICES,
+    prefix_cache_bytes,
+)
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_METHODS = "none,ngram,auto"
@@ -82,6 +87,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--threads", type=int, default=None, help="compute threads (default: physical cores)"
     )
+    g.add_argument(
+        "--prefix-cache-mb", type=int, default=None, metavar="MB",
+        help="prefix cache of the in-process methods: turn n of a conversation reuses what turn n - 1 "
+        "computed; every conversation starts cold (0 = off; default: as for generate)",
+    )
     add_device_args(g)
     g.add_argument(
         "--simulate-acceptance",
@@ -145,6 +155,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import psutil
+
     from quickdraft.bench import datasets, report, runner
     from quickdraft.bench.metrics import fill_speedups
     from quickdraft.spec.factory import SpecConfig, parse_num_draft
@@ -154,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance,
         DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab, args.cuda_graphs,
         DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence,
+        prefix_cache_bytes(args.prefix_cache_mb, psutil.virtual_memory().total),
     )
     baseline = "none" if "none" in methods else _first_name(methods, endpoints)
     settings = runner.BenchSettings(
@@ -291,6 +304,7 @@ def _meta(
             "device",
             "cuda_graphs",
             "simulate_acceptance",
+            "prefix_cache_mb",
         )
     }
     settings.update(warmup=not args.no_warmup, interleaved=True)

@@ -11,6 +11,7 @@ from quickdraft.config import (
     CUDA_GRAPH_MODES,
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_VOCAB,
+    DEFAULT_PREFIX_CACHE_MB,
     DEVICES,
     DTYPE_CHOICES,
 )
@@ -32,6 +33,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    g.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
+                   help="host memory for earlier sequences' keys/values and drafter state: a request that "
+                        "begins like an earlier one (a conversation's history, a shared system prompt) "
+                        f"computes only the rest (0 = off; default: {DEFAULT_PREFIX_CACHE_MB}, at most a "
+                        "quarter of the memory)")
     add_device_args(g)
     g.add_argument("--tensor-parallel", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N processes (gloo on CPU, NCCL on GPUs); under torchrun "
@@ -94,7 +100,8 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
               tensor_parallel=getattr(args, "tensor_parallel", 1), log=say,
               draft_vocab=getattr(args, "draft_vocab", None), device=getattr(args, "device", "auto"),
               draft_confidence=getattr(args, "draft_confidence", None),
-              cuda_graphs=getattr(args, "cuda_graphs", "auto"))
+              cuda_graphs=getattr(args, "cuda_graphs", "auto"),
+              prefix_cache_mb=getattr(args, "prefix_cache_mb", None))
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
     return llm
 

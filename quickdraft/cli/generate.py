@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_stats(stats, finish_reason: str | None) -> str:  # type: ignore[no-untyped-def]
     line = (f"[{stats.output_tokens} tokens, {stats.tokens_per_second:.1f} tokens/s, "
-            f"first token {stats.ttft:.2f} s, finish: {finish_reason}")
+            f"first token {stats.ttft:.2f} s, prompt {stats.prompt_tokens} tokens "
+            f"({stats.cached_tokens} cached), finish: {finish_reason}")
     if stats.drafted:
         line += (f", drafter {stats.drafter}: tau {stats.tau:.2f}, "
                  f"acceptance {100 * stats.acceptance_rate:.0f}% ({stats.accepted}/{stats.drafted})")

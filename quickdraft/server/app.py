@@ -86,7 +86,7 @@ class _Prepared:
 def create_app(llm: LLM, served_name: str, api_key: str | None = None) -> FastAPI:
     """The app serving ``llm`` as model ``served_name``; with ``api_key``, every route but
     /health needs ``Authorization: Bearer <api_key>``."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(llm.prefix_cache)
     worker = EngineWorker(llm.engine, llm.drafter, llm.num_draft, metrics)
     server = _Server(llm, served_name, worker, metrics, GrammarCompiler(llm.tokenizer))
 
@@ -514,6 +514,7 @@ def _usage(stats: RequestStats) -> p.Usage:
         prompt_tokens=stats.prompt_tokens,
         completion_tokens=stats.output_tokens,
         total_tokens=stats.prompt_tokens + stats.output_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=stats.cached_tokens),
         quickdraft=spec,
     )
 

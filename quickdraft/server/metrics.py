@@ -14,6 +14,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quickdraft.engine import RequestStats
+from quickdraft.prefix_cache import PrefixCache
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -21,7 +22,7 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, prefix: PrefixCache | None = None) -> None:
         r = self.registry = CollectorRegistry()
         p = "quickdraft_"
         self.ttft = Histogram(
@@ -46,7 +47,16 @@ class ServerMetrics:
             p + "requests_cancelled", "Generations stopped because the client left", registry=r
         )
         self.failed = Counter(p + "requests_failed", "Generations that raised an error", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests", registry=r)
+        self.cached_tokens = Counter(
+            p + "prompt_tokens_cached", "Prompt tokens reused from the prefix cache (not computed)", registry=r
+        )
+        self.cache_hit_rate = Gauge(
+            p + "prefix_cache_hit_rate", "Share of prompt tokens reused from the prefix cache", registry=r
+        )
+        self.cache_bytes = Gauge(p + "prefix_cache_bytes", "Host bytes of stored prefix-cache copies", registry=r)
+        self.cache_entries = Gauge(p + "prefix_cache_entries", "Sequences stored in the prefix cache", registry=r)
+        self.prefix = prefix
         self.generation_tokens = Counter(
             p + "generation_tokens", "Output tokens generated", registry=r
         )
@@ -74,6 +84,7 @@ class ServerMetrics:
     def record_stats(self, stats: RequestStats, finish_reason: str | None) -> None:
         self.requests.labels(finish_reason or "cancelled").inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
         self.generation_tokens.inc(stats.output_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
@@ -83,6 +94,11 @@ class ServerMetrics:
             self._passes += stats.target_passes
             if self._passes:
                 self.tau.set(self._emitted / self._passes)
+        if self.prefix is not None:  # the engine thread: the cache is not changing now
+            pc = self.prefix.stats
+            self.cache_hit_rate.set(pc.cached_tokens / pc.prompt_tokens if pc.prompt_tokens else 0.0)
+            self.cache_bytes.set(self.prefix.nbytes)
+            self.cache_entries.set(len(self.prefix.entries))
 
 
 class RequestTimer:

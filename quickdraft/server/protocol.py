@@ -246,10 +246,15 @@ class SpecUsage(BaseModel):
     tokens_per_second: float
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens reused from the prefix cache, not computed again
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     quickdraft: SpecUsage
 
 
