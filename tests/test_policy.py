@@ -73,6 +73,45 @@ def test_measure_pass_seconds_gives_positive_costs(tmp_path: Path) -> None:
     assert set(seconds) == {1, 2, 4} and all(s > 0 for s in seconds.values())
 
 
+def test_pass_costs_are_kept_between_starts(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from quickdraft.spec import pass_costs
+
+    loaded = load_model(str(make_tiny_hf_model(tmp_path, "llama", seed=1)), dtype="float32", max_context=128)
+    store = tmp_path / "costs" / "pass_costs.json"
+    said: list[str] = []
+    first = pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store)
+    assert len(said) == 1 and "first run" in said[0] and store.exists()
+    assert pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store) == first  # kept: no measuring
+    assert len(said) == 1
+    pass_costs.pass_seconds(loaded, (1, 2, 4), said.append, path=store)  # other rows: another entry
+    assert len(said) == 2
+
+    entries = json.loads(store.read_text())
+    key = pass_costs.cost_key(loaded, (1, 2))
+    entries[key]["measured"] = time.time() - 40 * 86400  # stale
+    store.write_text(json.dumps(entries))
+    pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store)
+    assert "stale or damaged" in said[-1]
+    entries = json.loads(store.read_text())
+    entries[key]["seconds"] = {"1": -1.0, "2": "x"}  # damaged
+    store.write_text(json.dumps(entries))
+    again = pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store)
+    assert "stale or damaged" in said[-1] and all(s > 0 for s in again.values())
+
+    store.write_text("{not json")  # corrupt: measured afresh, saying which file
+    pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store)
+    assert str(store) in said[-1] and json.loads(store.read_text())
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.warns(RuntimeWarning, match="could not keep"):  # a cache "folder" that is a file
+        seconds = pass_costs.pass_seconds(loaded, (1, 2), said.append, path=blocked / "pass_costs.json")
+    assert set(seconds) == {1, 2}
+
+
 # ---------------------------------------------------------------------------------- Acceptance
 
 

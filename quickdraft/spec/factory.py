@@ -29,12 +29,12 @@ from quickdraft.spec.draft_model import (
 from quickdraft.spec.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.spec.eagle3.io import is_head, load_head, with_convention
 from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.spec.pass_costs import pass_seconds
 from quickdraft.spec.policy import (
     Acceptance,
     AutoDrafter,
     Candidate,
     TargetCost,
-    measure_pass_seconds,
 )
 from quickdraft.spec.vocab import DraftVocab, corpus_token_ranks
 
@@ -107,10 +107,9 @@ def build_drafter(
         return None, 0
     if cfg.num_draft is not None and len(base) == 1:
         return base[0][0], cfg.num_draft  # fixed k, one drafter: no policy needed
-    say("measuring this machine's pass costs for the speculation policy ...")
     eagles = [d for d, _, _, _ in base if isinstance(d, Eagle3Drafter)]
     rows = cost_rows(target.model.device) if eagles else (1, 2, 4, 8)
-    cost = TargetCost(measure_pass_seconds(target.model, rows=rows))
+    cost = TargetCost(pass_seconds(target, rows, say))
     # An EAGLE-3 drafter sizes its own trees each step (its proposal is previewed like n-gram's,
     # cheap=True) from the same pass costs, which the AutoDrafter observes for both.
     max_k = max([MAX_AUTO_K, *(d.shape.max_nodes for d in eagles)])
@@ -148,7 +147,7 @@ def _base_drafters(
         if vocab is not None:
             vocab.apply(draft.model, torch.empty(0, dtype=torch.long))  # cut before timing a step
         rows = tuple(r for r in (1, 2, 4, 8, 16) if r <= MAX_CATCH_UP)  # the catch-ups it may run
-        curve = TargetCost(measure_pass_seconds(draft.model, rows=rows))
+        curve = TargetCost(pass_seconds(draft, rows, say, variant=f"draft-vocab={cfg.draft_vocab}"))
         per_token = curve(1)
         # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
         # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
@@ -232,6 +231,6 @@ def build_eagle3_drafter(
     shape = default_shape(target.model.device)
     if num_draft is not None:
         shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))
-    cost = TargetCost(measure_pass_seconds(target.model, rows=cost_rows(target.model.device))) if standalone else None
+    cost = TargetCost(pass_seconds(target, cost_rows(target.model.device), say)) if standalone else None
     return Eagle3Drafter(head, target.model, mode=mode, shape=shape, cost=cost, policy=num_draft is None)
 

@@ -1,0 +1,121 @@
+"""The cost model's start-up measurements, kept per (machine, model file, kernel build, threads).
+
+Measuring a model's 1..16-row pass costs takes a few seconds per model at every start (the
+target and a draft model: ~1/3 of a cold start to the first token). They depend on the machine,
+the model file, the kernel build and the thread count, not on the request, so they are measured
+once and kept in ``<cache>/pass_costs.json``; the cost model still tracks them online from there.
+An entry older than MAX_AGE_DAYS, or one that cannot be read, is measured again (and the CLI
+says why). A cache folder that cannot be written only costs the saving, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from quickdraft import zoo
+from quickdraft.loading.load import LoadedModel
+from quickdraft.spec.policy import measure_pass_seconds
+
+MAX_AGE_DAYS = 30
+MAX_ENTRIES = 64  # the most recently measured are kept (tests and experiments add many)
+FILE_NAME = "pass_costs.json"
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(loaded: LoadedModel, rows: tuple[int, ...], variant: str = "") -> str:
+    """What the measurement depends on, as one string (``variant``: e.g. a cut output head)."""
+    from quickdraft import kernels
+    from quickdraft.quant.ggml import active_kernels
+
+    path = Path(loaded.path)
+    try:
+        st = path.stat()
+        ident = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    except OSError:
+        ident = str(path)
+    build = f"{kernels.build_name()}/{kernels.isa()}" if active_kernels() is not None else "reference"
+    device = loaded.model.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu()
+    return "|".join([where, ident, build, f"threads={torch.get_num_threads()}", str(loaded.model.dtype),
+                     f"rows={','.join(map(str, rows))}", variant])
+
+
+def _read(path: Path) -> tuple[dict[str, dict], str | None]:
+    """The stored entries and, where the file is unusable, why."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError) as exc:
+        return {}, f"{path} is unreadable ({type(exc).__name__})"
+    if not isinstance(data, dict):
+        return {}, f"{path} does not hold a JSON object"
+    return data, None
+
+
+def _valid(entry: object, rows: tuple[int, ...]) -> dict[int, float] | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), dict):
+        return None
+    if time.time() - float(entry.get("measured", 0)) > MAX_AGE_DAYS * 86400:
+        return None
+    try:
+        out = {int(r): float(s) for r, s in entry["seconds"].items()}
+    except (TypeError, ValueError):
+        return None
+    if sorted(out) != sorted(rows) or not all(math.isfinite(s) and s > 0 for s in out.values()):
+        return None
+    return out
+
+
+def pass_seconds(
+    loaded: LoadedModel, rows: tuple[int, ...], say: Callable[[str], None], variant: str = "",
+    path: Path | None = None,
+) -> dict[int, float]:
+    """``loaded``'s pass seconds by row count: kept from an earlier start, else measured now."""
+    path = path or zoo.cache_dir() / FILE_NAME
+    key = cost_key(loaded, rows, variant)
+    entries, problem = _read(path)
+    kept = _valid(entries.get(key), rows)
+    if kept is not None:
+        return kept
+    why = problem or ("the kept one is stale or damaged" if key in entries else
+                      "first run of this model with this machine, kernel build and thread count")
+    say(f"measuring the pass costs of {Path(loaded.path).name} for the speculation policy ({why}) ...")
+    seconds = measure_pass_seconds(loaded.model, rows=rows)
+    entries[key] = {"measured": time.time(), "seconds": {str(r): s for r, s in seconds.items()}}
+    _write(path, entries)
+    return seconds
+
+
+def _write(path: Path, entries: dict[str, dict]) -> None:
+    newest = sorted(entries.items(), key=lambda kv: -float(kv[1].get("measured", 0)))[:MAX_ENTRIES]
+    entries = dict(newest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pass_costs.")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(entries, fh, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not keep the pass-cost measurements in {path} ({exc}); they will be "
+                      "measured again at the next start", RuntimeWarning, stacklevel=2)
