@@ -35,6 +35,7 @@ from quickdraft.models.layers import (
     RMSNorm,
     Rope,
     Step,
+    embedding,
     linear_group,
 )
 
@@ -88,7 +89,7 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = Rope(cfg, max_len)  # full-attention layers: rope_theta with rope_scaling
         local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=None)
         self.rope_local = Rope(local, max_len)

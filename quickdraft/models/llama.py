@@ -24,6 +24,7 @@ from quickdraft.models.layers import (
     Rope,
     Step,
     causal_mask,
+    embedding,
 )
 from quickdraft.models.native import NativeStack
 
@@ -31,7 +32,7 @@ from quickdraft.models.native import NativeStack
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = Rope(cfg, max_len)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -21,7 +21,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import llama
-from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step
+from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step, embedding
 
 
 class PartialRope(Rope):
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = PartialRope(cfg, max_len)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
