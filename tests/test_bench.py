@@ -190,7 +190,7 @@ def test_jsonl_errors_name_the_line(tmp_path: Path, line: str, message: str) -> 
 
 
 def test_unknown_dataset_is_a_clear_error() -> None:
-    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k or a JSONL file"):
+    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, agent or a JSONL file"):
         datasets.load_dataset("no-such-set")
 
 
@@ -221,6 +221,9 @@ class _Echo:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
 
+    def new_conversation(self) -> None:
+        self.conversations = getattr(self, "conversations", 0) + 1
+
 
 def test_mtbench_turns_follow_each_methods_own_answer(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -235,7 +238,9 @@ def test_mtbench_turns_follow_each_methods_own_answer(
     assert ds.requests_per_method == 2
     a, b = _Echo("a"), _Echo("b")
     records = list(runner.run_item([a, b], 0, ds.items[0], runner.BenchSettings(baseline="a")))
-    assert [(r.method, r.turn) for r in records] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    # each method goes through its whole conversation before the next starts its own
+    assert [(r.method, r.turn) for r in records] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert a.conversations == b.conversations == 1
     assert a.seen[1] == [
         {"role": "user", "content": "Write a poem."},
         {"role": "assistant", "content": "a-answer-0"},

@@ -216,6 +216,24 @@ def test_chat_stream_equals_whole_and_has_usage(spec: Server) -> None:
     )
 
 
+def test_prefix_cache_across_requests_and_clients(spec: Server, plain: Server) -> None:
+    """Turn 2 of a conversation, sent by another client, reuses turn 1's computed prefix: usage says
+    how many prompt tokens were cached, /metrics counts them, and the answer is the plain one."""
+    turn1 = _chat(spec, messages=HAIKU, max_tokens=16)
+    follow = [*HAIKU, {"role": "assistant", "content": turn1.choices[0].message.content},
+              {"role": "user", "content": "Now one about disks."}]
+    other = spec.client("another-client")  # a different client object and connection
+    turn2 = other.chat.completions.create(model=NAME, messages=follow, max_tokens=16, temperature=0)
+    cached = turn2.usage.prompt_tokens_details.cached_tokens
+    assert turn1.usage.prompt_tokens + 8 <= cached < turn2.usage.prompt_tokens
+    reference = _chat(plain, KEY, messages=follow, max_tokens=16)
+    assert turn2.choices[0].message.content == reference.choices[0].message.content
+    text = httpx.get(f"{spec.root}/metrics").text
+    assert "quickdraft_prompt_tokens_cached_total" in text and "quickdraft_prefix_cache_hit_rate" in text
+    count = float(re.search(r"^quickdraft_prompt_tokens_cached_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert count >= cached
+
+
 def test_completions_stream_logprobs_and_stop(spec: Server) -> None:
     client = spec.client()
     whole = client.completions.create(
