@@ -47,6 +47,7 @@ METHODS = ("none", "ngram", "draft", "auto", "eagle3", "eagle3-chain")  # eagle3
 EAGLE3, EAGLE3_CHAIN = "eagle3", "eagle3-chain"  # dynamic trees (cost model) / one chain per step
 NOT_YET: tuple[str, ...] = ()  # accepted once implemented
 WARMUP_TOKENS = 8
+WARMUP_PROMPT = "Say hello in one word."
 
 
 @dataclass
@@ -526,7 +527,7 @@ def run_bench(
 ) -> list[Record]:
     """Warm up, then every contender on every turn of every prompt, prompt by prompt."""
     if settings.warmup:
-        warm_up(contenders, dataset.items[0], settings)
+        warm_up(contenders, settings)
     total = len(contenders) * dataset.requests_per_method
     records: list[Record] = []
     with tqdm(
@@ -582,10 +583,11 @@ def run_item(
             yield make_record(c.name, index, item, turn, params.seed, trace)
 
 
-def warm_up(contenders: Sequence[Contender], item: Item, settings: BenchSettings) -> None:
-    """One short request per contender (not recorded): first-call allocations, caches, connections."""
+def warm_up(contenders: Sequence[Contender], settings: BenchSettings) -> None:
+    """One short request per contender (not recorded): first-call allocations, connections. Not a
+    measured prompt: a server with a prompt cache (llama.cpp's) would answer that one warm."""
     short = replace(settings, max_tokens=min(WARMUP_TOKENS, settings.max_tokens))
-    list(run_item(contenders, 0, Item(item.id, item.turns[:1], item.context), short))
+    list(run_item(contenders, 0, Item("warmup", (WARMUP_PROMPT,)), short))
 
 
 def make_record(
