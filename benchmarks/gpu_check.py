@@ -89,8 +89,8 @@ def check_correctness(device: str, quick: bool) -> dict[str, Any]:
     from tiny import make_tiny_hf_model
 
     from quickdraft import models
-    from quickdraft.spec.draft_model import DraftModelDrafter
-    from quickdraft.spec.ngram import NGramDrafter
+    from quickdraft.speculative.draft_model import DraftModelDrafter
+    from quickdraft.speculative.ngram import NGramDrafter
 
     archs = ["llama", "qwen2", "qwen3"] + [a for a in ("mixtral", "qwen3_moe", "qwen2_moe") if a in getattr(models, "MOE", ())]
     out: dict[str, Any] = {}
@@ -255,7 +255,7 @@ def check_graphs(device: str, quick: bool) -> dict[str, Any]:
     from tiny import make_tiny_hf_model
 
     from quickdraft.models.graphs import StepGraphs
-    from quickdraft.spec.ngram import NGramDrafter
+    from quickdraft.speculative.ngram import NGramDrafter
 
     out: dict[str, Any] = {}
     capture = torch.device(device).type == "cuda"

@@ -43,7 +43,7 @@ def main() -> int:
     llm.generate([base], params)  # the shared history, computed once
     first_s = time.perf_counter() - t0
     rows = []
-    for i in range(args.conversations):
+    for _ in range(args.conversations):
         branch = torch.randint(100, min(vocab, 30000), (args.branch,), generator=gen).tolist()
         out = llm.generate([base[: args.tokens - args.branch] + branch], params)[0]
         rows.append({"cached_tokens": out.stats.cached_tokens, "ttft": out.stats.ttft})

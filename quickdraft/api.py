@@ -27,7 +27,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.factory import SpecConfig, build_drafter
+from quickdraft.speculative.factory import SpecConfig, build_drafter
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]

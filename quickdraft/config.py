@@ -16,7 +16,7 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")  # --device (and cuda:N)
 CUDA_GRAPH_MODES = ("auto", "on", "off")  # --cuda-graphs
 # A draft model's output head covers its this many most frequent tokens, as many first ids, each
-# prompt's tokens and the special tokens (quickdraft.spec.vocab); 0 = the whole vocabulary.
+# prompt's tokens and the special tokens (quickdraft.speculative.vocab); 0 = the whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 16384
 # A draft model stops a proposal after a token it gives less than this probability (0 = never).
 DEFAULT_DRAFT_CONFIDENCE = 0.8

@@ -5,10 +5,10 @@ draft -> ONE target pass over [last token, drafted tokens] -> verify -> roll bac
 accepted run -> stop checks -> yield a :class:`StepOutput`. Plain decoding is the same loop with
 no drafter (k = 0). Nothing in here is specific to a model or a drafting method.
 
-A drafter may propose a tree (:class:`~quickdraft.spec.tree.DraftTree`) instead of a chain: the
+A drafter may propose a tree (:class:`~quickdraft.speculative.tree.DraftTree`) instead of a chain: the
 pass then runs over [last token] + the tree's nodes with tree positions and a tree mask, the
 verdict is a root-to-node path, and ``cache.compact`` moves that path's KV behind the prefix.
-Drafters that read target features (``capture_layers``, see :mod:`quickdraft.spec.base`) get the
+Drafters that read target features (``capture_layers``, see :mod:`quickdraft.speculative.base`) get the
 captured hidden states of every row whose KV was kept, through ``feed``, before each commit.
 
 Prefill first asks the prefix cache (:mod:`quickdraft.prefix_cache`) for the longest already
@@ -42,8 +42,8 @@ from quickdraft.sampling import (
     process_logits,
     sample_tokens,
 )
-from quickdraft.spec.base import Drafter, capture_layers_of
-from quickdraft.spec.tree import (
+from quickdraft.speculative.base import Drafter, capture_layers_of
+from quickdraft.speculative.tree import (
     DraftTree,
     tree_chain,
     tree_mask,
@@ -51,7 +51,7 @@ from quickdraft.spec.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from quickdraft.spec.verify import Draft, Verdict, verify_greedy, verify_sampled
+from quickdraft.speculative.verify import Draft, Verdict, verify_greedy, verify_sampled
 from quickdraft.stopping import StopChecker
 from quickdraft.tokenizer import Tokenizer
 

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.spec.base import capture_layers_of
+from quickdraft.speculative.base import capture_layers_of
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray, limit: int | None = None) -> int:

@@ -34,7 +34,7 @@ from quickdraft.bench.metrics import (
 from quickdraft.cli.main import main
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.verify import verify_greedy
+from quickdraft.speculative.verify import verify_greedy
 
 # --------------------------------------------------------------------------------------------
 # Metric arithmetic on synthetic timings (values computed by hand)

@@ -31,18 +31,18 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.eagle3.canary import MIN_TAU, canary_tau
-from quickdraft.spec.eagle3.drafter import Eagle3Drafter, TreeShape
-from quickdraft.spec.eagle3.head import (
+from quickdraft.speculative.eagle3.canary import MIN_TAU, canary_tau
+from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
+from quickdraft.speculative.eagle3.head import (
     Eagle3Config,
     Eagle3Head,
     default_aux_layers,
     init_head_weights,
 )
-from quickdraft.spec.eagle3.io import build_head, is_head, load_head, save_head
-from quickdraft.spec.factory import SpecConfig, build_drafter, build_eagle3_drafter
-from quickdraft.spec.policy import AutoDrafter, TargetCost
-from quickdraft.spec.tree import DraftTree
+from quickdraft.speculative.eagle3.io import build_head, is_head, load_head, save_head
+from quickdraft.speculative.factory import SpecConfig, build_drafter, build_eagle3_drafter
+from quickdraft.speculative.policy import AutoDrafter, TargetCost
+from quickdraft.speculative.tree import DraftTree
 
 
 def flat() -> TargetCost:

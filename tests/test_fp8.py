@@ -45,7 +45,7 @@ from quickdraft.quant.fp8 import (
 )
 from quickdraft.quant.fp8_export import write_tokenizer_files
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.tokenizer import Tokenizer
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox!"

@@ -32,7 +32,7 @@ from quickdraft.loading.gguf_file import GGUFFile
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.gemma3 import CausalLM as GemmaLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox!"

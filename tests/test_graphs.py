@@ -24,7 +24,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.graphs import MIN_SPAN, StepGraphs, make_step_graphs, supports_static
 from quickdraft.models.layers import causal_mask
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
 

@@ -39,8 +39,8 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.layers import MLP
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.moe import SparseMoE, convert_expert_layouts, route
-from quickdraft.spec.draft_model import DraftModelDrafter
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox!"
 SPEC_PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"

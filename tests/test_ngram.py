@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec.ngram import NGramIndex, ngram_propose
+from quickdraft.speculative.ngram import NGramIndex, ngram_propose
 
 
 def index_of(tokens: list[int], max_ngram: int = 4, min_ngram: int = 1) -> NGramIndex:

@@ -18,7 +18,7 @@ from quickdraft.loading import gguf as gguf_io
 from quickdraft.loading.load import load_model
 from quickdraft.models.phi3 import CausalLM as Phi3LM
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox! and the lazy dog jumps over"
 SHORT = [1.0 + 0.3 * i for i in range(8)]  # head_dim 16: 8 frequencies

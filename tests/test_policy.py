@@ -12,8 +12,8 @@ from tiny import make_tiny_hf_model
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
-from quickdraft.spec.policy import (
+from quickdraft.speculative.ngram import NGramDrafter
+from quickdraft.speculative.policy import (
     CONFIDENT_K,
     EMA,
     PROBE_EVERY,
@@ -25,7 +25,7 @@ from quickdraft.spec.policy import (
     best_k,
     measure_pass_seconds,
 )
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.verify import Draft
 
 PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
 N = 64
@@ -77,7 +77,7 @@ def test_pass_costs_are_kept_between_starts(tmp_path: Path) -> None:
     import json
     import time
 
-    from quickdraft.spec import pass_costs
+    from quickdraft.speculative import pass_costs
 
     loaded = load_model(str(make_tiny_hf_model(tmp_path, "llama", seed=1)), dtype="float32", max_context=128)
     store = tmp_path / "costs" / "pass_costs.json"

@@ -23,12 +23,12 @@ from quickdraft.engine import Engine, RequestStats
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache, common_prefix
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.draft_model import DraftModelDrafter
-from quickdraft.spec.eagle3.drafter import Eagle3Drafter, TreeShape
-from quickdraft.spec.eagle3.head import Eagle3Config, init_head_weights
-from quickdraft.spec.eagle3.io import build_head
-from quickdraft.spec.ngram import NGramDrafter
-from quickdraft.spec.policy import Acceptance, AutoDrafter, Candidate, TargetCost
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
+from quickdraft.speculative.eagle3.head import Eagle3Config, init_head_weights
+from quickdraft.speculative.eagle3.io import build_head
+from quickdraft.speculative.ngram import NGramDrafter
+from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MB = 1 << 20

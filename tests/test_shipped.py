@@ -13,7 +13,7 @@ from quickdraft.engine import Engine
 from quickdraft.loading.load import load_model
 from quickdraft.quant.ggml import GGMLLinear, kernels_available
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU kernels did not build here")
 

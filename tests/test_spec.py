@@ -34,13 +34,13 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
-from quickdraft.spec.base import Drafter
-from quickdraft.spec.draft_model import DraftModelDrafter, check_same_tokenizer
-from quickdraft.spec.factory import SpecConfig, build_drafter
-from quickdraft.spec.ngram import NGramDrafter
-from quickdraft.spec.policy import Acceptance, AutoDrafter, Candidate, TargetCost
-from quickdraft.spec.tree import DraftTree, cut_tree
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
+from quickdraft.speculative.factory import SpecConfig, build_drafter
+from quickdraft.speculative.ngram import NGramDrafter
+from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
+from quickdraft.speculative.tree import DraftTree, cut_tree
+from quickdraft.speculative.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
 KS = [1, 2, 3, 5, 8]
@@ -441,7 +441,7 @@ def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: 
     added tokens and the request's prompt ids. Its logits are the full head's on those ids and
     -inf elsewhere, it never drafts another id, and greedy output is unchanged (lossless: the
     target decides), sampled output too for a fixed seed."""
-    from quickdraft.spec.factory import restrict_draft_vocab
+    from quickdraft.speculative.factory import restrict_draft_vocab
 
     draft = perturbed_copy(tiny_folder, seed=5, scale=0.5)
     cache = draft.model.new_cache()
@@ -492,7 +492,7 @@ def test_token_ranks_count_a_corpus_and_are_cached(
 ) -> None:
     """Ranks put the corpus's most frequent ids first (ties and unseen ids by id), and the
     stdlib-corpus ranks are computed once per tokenizer, then read from the cache."""
-    from quickdraft.spec import vocab as vocab_mod
+    from quickdraft.speculative import vocab as vocab_mod
 
     tok = tiny.loaded.tokenizer
     text = "hello hello hello world world x"
@@ -517,7 +517,7 @@ def test_token_ranks_count_a_corpus_and_are_cached(
 
 
 def test_stdlib_corpus_is_python_source() -> None:
-    from quickdraft.spec.vocab import stdlib_corpus
+    from quickdraft.speculative.vocab import stdlib_corpus
 
     texts = stdlib_corpus(max_chars=200_000)
     assert texts and 200_000 <= sum(map(len, texts)) < 2_000_000
@@ -1101,7 +1101,7 @@ def test_named_draft_model_reads_the_prompt_at_prefill_and_stays_lossless(tmp_pa
     """--draft MODEL: the draft model reads the prompt eagerly, so the cost model does not see a
     prompt-long catch-up at its first use (which would keep it from ever drafting)."""
     from quickdraft.api import LLM
-    from quickdraft.spec.draft_model import DraftModelDrafter
+    from quickdraft.speculative.draft_model import DraftModelDrafter
 
     target = make_tiny_hf_model(tmp_path, "llama", seed=3)
     plain = LLM(str(target), draft="none", dtype="float32", max_context=256)
@@ -1120,7 +1120,7 @@ def test_draft_model_skips_a_long_catch_up_and_stays_lossless(tiny: Case) -> Non
     """After many steps without it (n-gram drafting), the draft model reads only the last
     MAX_CATCH_UP missed tokens, at their true positions (a gap in its context), then drafts:
     the output is still exactly plain greedy, and positions stay aligned with the context."""
-    from quickdraft.spec.draft_model import MAX_CATCH_UP
+    from quickdraft.speculative.draft_model import MAX_CATCH_UP
 
     inner = DraftModelDrafter(tiny.loaded.model, tiny.vocab, eager=True)
     seen: list[tuple[int, int]] = []  # (cache length + offset, tokens the draft has consumed)

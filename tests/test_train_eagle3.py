@@ -19,8 +19,8 @@ from quickdraft.cli.main import main
 from quickdraft.config import resolve_device
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.spec.eagle3.head import Eagle3Config
-from quickdraft.spec.eagle3.io import load_head
+from quickdraft.speculative.eagle3.head import Eagle3Config
+from quickdraft.speculative.eagle3.io import load_head
 from quickdraft.train import data as data_mod
 from quickdraft.train.capture import FeatureSet, capture_features, plan_shards
 from quickdraft.train.eagle3 import (

@@ -22,9 +22,9 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.layers import causal_mask
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import FeatureDrafter, capture_layers_of
-from quickdraft.spec.policy import Acceptance, AutoDrafter, Candidate, TargetCost
-from quickdraft.spec.tree import (
+from quickdraft.speculative.base import FeatureDrafter, capture_layers_of
+from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
+from quickdraft.speculative.tree import (
     DraftTree,
     TreeVerdict,
     ancestor_mask,
@@ -36,7 +36,7 @@ from quickdraft.spec.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.verify import Draft
 
 PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
 N = 40  # greedy tokens per tiny run
@@ -53,7 +53,7 @@ def tree(tokens: Sequence[int], parents: Sequence[int], probs: torch.Tensor | No
     return DraftTree(ids(*tokens), ids(*parents), probs)
 
 
-# The example of quickdraft/spec/tree.py's docstring:
+# The example of quickdraft/speculative/tree.py's docstring:
 #   root -+- a(0) -+- c(2) --- e(4)
 #         |        +- d(3)
 #         +- b(1)
@@ -205,7 +205,7 @@ def test_greedy_empty_tree_and_shape_check() -> None:
 
 
 def test_greedy_chain_tree_agrees_with_verify_greedy() -> None:
-    from quickdraft.spec.verify import verify_greedy
+    from quickdraft.speculative.verify import verify_greedy
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):

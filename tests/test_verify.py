@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quickdraft.sampling import SamplingParams, make_generator, probs_from_logits, process_logits
-from quickdraft.spec.verify import (
+from quickdraft.speculative.verify import (
     Draft,
     _last_token_weights,
     _verify_sampled_batch,

@@ -12,7 +12,7 @@ import torch
 
 from quickdraft.api import LLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.ngram import NGramDrafter
+from quickdraft.speculative.ngram import NGramDrafter
 
 
 def main() -> None:

@@ -38,9 +38,9 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, resolve
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Drafter
-from quickdraft.spec.factory import DEFAULT_DRAFTS, SpecConfig, build_drafter
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.factory import DEFAULT_DRAFTS, SpecConfig, build_drafter
+from quickdraft.speculative.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle3", "eagle3-chain")  # eagle3[-chain]=HEAD_PATH
@@ -334,7 +334,7 @@ def _eagle3_contender(
 ) -> tuple[Drafter, int]:
     """The EAGLE-3 head alone (no n-gram beside it), trees sized by its cost model unless
     --num-draft fixes them. No canary: measuring the head, good or bad, is the point."""
-    from quickdraft.spec.factory import build_eagle3_drafter
+    from quickdraft.speculative.factory import build_eagle3_drafter
 
     if not Path(head).expanduser().exists():
         raise QuickdraftError(f"no such EAGLE-3 head: {head}")

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     from quickdraft.bench import datasets, report, runner
     from quickdraft.bench.metrics import fill_speedups
-    from quickdraft.spec.factory import SpecConfig, parse_num_draft
+    from quickdraft.speculative.factory import SpecConfig, parse_num_draft
 
     methods, endpoints = _plan(args)
     opts = runner.MethodOptions(

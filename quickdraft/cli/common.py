@@ -91,7 +91,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     from quickdraft.api import LLM
-    from quickdraft.spec.factory import parse_num_draft
+    from quickdraft.speculative.factory import parse_num_draft
 
     num_draft = parse_num_draft(args.num_draft)
     say(f"loading {args.model} ...")

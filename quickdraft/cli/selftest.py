@@ -23,7 +23,7 @@ from quickdraft.sampling import (
     process_logits,
     sample_tokens,
 )
-from quickdraft.spec.verify import verify_sampled_batch
+from quickdraft.speculative.verify import verify_sampled_batch
 
 PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, then a version with memoization.",

@@ -22,7 +22,7 @@ from quickdraft.constraints import Constraint
 from quickdraft.engine import Engine, StepOutput
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.metrics import ServerMetrics
-from quickdraft.spec.base import Drafter
+from quickdraft.speculative.base import Drafter
 
 log = logging.getLogger("quickdraft.server")
 

@@ -1,6 +1,6 @@
 """Run the target over the training sequences once and keep what the head learns from.
 
-Per position t of a sequence the head needs (see ``quickdraft.spec.eagle3.head``): the target's
+Per position t of a sequence the head needs (see ``quickdraft.speculative.eagle3.head``): the target's
 hidden states at the aux layers (INPUT-of-layer convention, concatenated: ``[n_aux * H]``), the
 token ids, and the target's own prediction for position t+1 (its argmax, the label a greedy
 verifier accepts; plus its top-k tokens and log-probabilities for distillation). Capturing once

@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head on captured target features, with the training-time test (TTT).
 
-Interface used from HEAD (quickdraft/spec/eagle3/head.py), as agreed in the contract:
+Interface used from HEAD (quickdraft/speculative/eagle3/head.py), as agreed in the contract:
 ``Eagle3Head.train_forward(embeds [B,T,H], features [B,T,H], positions [T], cache, attention_mask
 [B,T]) -> (logits [B,T,Vd] float32, h [B,T,H], (k, v))`` where ``cache`` is the list of (k, v) of
 the previous unroll steps (step 0 first); step s is called with positions + s. The fc fusion is
@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.llama import CausalLM
-from quickdraft.spec.eagle3.head import Eagle3Config, Eagle3Head
+from quickdraft.speculative.eagle3.head import Eagle3Config, Eagle3Head
 from quickdraft.train.capture import FeatureSet
 from quickdraft.train.vocab import target_to_draft
 

@@ -31,8 +31,8 @@ from quickdraft.config import resolve_device
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.llama import CausalLM
-from quickdraft.spec.eagle3.head import Eagle3Config, default_aux_layers
-from quickdraft.spec.eagle3.io import load_head, save_head
+from quickdraft.speculative.eagle3.head import Eagle3Config, default_aux_layers
+from quickdraft.speculative.eagle3.io import load_head, save_head
 from quickdraft.train import data as data_mod
 from quickdraft.train.capture import FeatureSet, capture_features, check_aux_layers
 from quickdraft.train.eagle3 import (
@@ -129,7 +129,7 @@ def regenerate_fn(loaded: LoadedModel) -> data_mod.Generate:
     fewer target passes)."""
     from quickdraft.engine import Engine
     from quickdraft.sampling import SamplingParams
-    from quickdraft.spec.ngram import NGramDrafter
+    from quickdraft.speculative.ngram import NGramDrafter
 
     engine = Engine(loaded.model, loaded.tokenizer)
 

@@ -15,7 +15,7 @@ a small probe step so its estimates recover when the text changes character.
 
 A candidate may propose trees: k then counts its nodes (the target pass costs k + 1 rows), and its
 acceptance is tracked per depth along the accepted path. Candidates that read target features
-(``capture_layers`` / ``feed``, see :mod:`quickdraft.spec.base`) get them through the AutoDrafter,
+(``capture_layers`` / ``feed``, see :mod:`quickdraft.speculative.base`) get them through the AutoDrafter,
 which asks the engine for the union of their layers.
 """
 
@@ -29,9 +29,9 @@ from torch import Tensor
 
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Drafter, capture_layers_of
-from quickdraft.spec.tree import DraftTree, cut_tree
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.base import Drafter, capture_layers_of
+from quickdraft.speculative.tree import DraftTree, cut_tree
+from quickdraft.speculative.verify import Draft
 
 EMA = 0.2  # weight of a new observation
 PROBE_EVERY = 8  # steps without using a drafter before a probe step

@@ -64,10 +64,10 @@ from quickdraft.sampling import (
     process_logits,
     sample_tokens,
 )
-from quickdraft.spec.eagle3.head import Eagle3Head
-from quickdraft.spec.policy import TargetCost
-from quickdraft.spec.tree import DraftTree
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.eagle3.head import Eagle3Head
+from quickdraft.speculative.policy import TargetCost
+from quickdraft.speculative.tree import DraftTree
+from quickdraft.speculative.verify import Draft
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 MODES = ("auto", "tree", "chain")

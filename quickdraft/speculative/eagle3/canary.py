@@ -17,9 +17,9 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.eagle3.drafter import Eagle3Drafter, TreeShape
-from quickdraft.spec.eagle3.head import Eagle3Head
-from quickdraft.spec.policy import TargetCost
+from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
+from quickdraft.speculative.eagle3.head import Eagle3Head
+from quickdraft.speculative.policy import TargetCost
 from quickdraft.tokenizer import Tokenizer
 
 MIN_TAU = 1.3

@@ -70,7 +70,7 @@ from torch import Tensor
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.llama import CausalLM
-from quickdraft.spec.eagle3.head import Eagle3Config, Eagle3Head, default_aux_layers
+from quickdraft.speculative.eagle3.head import Eagle3Config, Eagle3Head, default_aux_layers
 
 HF_LAYOUT = "hf"
 SPECULATORS_LAYOUT = "speculators"

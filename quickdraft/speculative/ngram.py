@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.verify import Draft
 
 
 def _check_sizes(max_ngram: int, min_ngram: int) -> None:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.sampling import sample_tokens
-from quickdraft.spec.verify import Draft, Verdict
+from quickdraft.speculative.verify import Draft, Verdict
 
 
 @dataclass(frozen=True)

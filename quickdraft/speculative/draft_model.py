@@ -48,8 +48,8 @@ from quickdraft.sampling import (
     process_logits,
     sample_tokens,
 )
-from quickdraft.spec.verify import Draft
-from quickdraft.spec.vocab import DraftVocab
+from quickdraft.speculative.verify import Draft
+from quickdraft.speculative.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
 
 _EMPTY = torch.empty(0, dtype=torch.long)

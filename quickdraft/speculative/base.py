@@ -46,8 +46,8 @@ import numpy as np
 from torch import Tensor
 
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.tree import DraftTree
-from quickdraft.spec.verify import Draft
+from quickdraft.speculative.tree import DraftTree
+from quickdraft.speculative.verify import Draft
 
 
 class Drafter(Protocol):

@@ -2,7 +2,7 @@
 
 HEAD is an EAGLE-3 draft head for the target (a folder or .safetensors file, recognised by its
 config / tensor names): it drafts alongside n-gram lookup in the AutoDrafter, after a load-time
-canary checked that it pays (see quickdraft.spec.eagle3.canary).
+canary checked that it pays (see quickdraft.speculative.eagle3.canary).
 """
 
 from __future__ import annotations
@@ -19,24 +19,24 @@ from quickdraft import zoo
 from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
-from quickdraft.spec.base import Drafter
-from quickdraft.spec.draft_model import (
+from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.draft_model import (
     MAX_CATCH_UP,
     DraftModelDrafter,
     check_draft_confidence,
     check_same_tokenizer,
 )
-from quickdraft.spec.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
-from quickdraft.spec.eagle3.io import is_head, load_head, with_convention
-from quickdraft.spec.ngram import NGramDrafter
-from quickdraft.spec.pass_costs import pass_seconds
-from quickdraft.spec.policy import (
+from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
+from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
+from quickdraft.speculative.ngram import NGramDrafter
+from quickdraft.speculative.pass_costs import pass_seconds
+from quickdraft.speculative.policy import (
     Acceptance,
     AutoDrafter,
     Candidate,
     TargetCost,
 )
-from quickdraft.spec.vocab import DraftVocab, corpus_token_ranks
+from quickdraft.speculative.vocab import DraftVocab, corpus_token_ranks
 
 # Zoo targets and the small model of the same family that drafts for them in --draft auto.
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
@@ -52,7 +52,7 @@ class SpecConfig:
     num_draft: int | None = None  # None = chosen per step by the cost model
     canary: bool = True  # EAGLE-3 heads: check with a short decode at load that the head pays
     # a draft model's output head covers its draft_vocab most frequent tokens, each prompt's tokens
-    # and the added / special tokens only (quickdraft.spec.vocab), 0 = all. Any draft distribution
+    # and the added / special tokens only (quickdraft.speculative.vocab), 0 = all. Any draft distribution
     # keeps speculation lossless; measured on HumanEval with Qwen2.5-Coder-0.5B drafting for 1.5B,
     # 16384 makes a draft token 26% cheaper at the same 94% acceptance (the first 32768 ids by
     # number instead: 21% cheaper, acceptance 97% -> 89%: "```" and identifiers have high ids).
@@ -71,7 +71,7 @@ class SpecConfig:
 
 def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None = None) -> DraftVocab | None:
     """The output vocabulary of a draft model cut to its ``n`` most frequent tokens (``ranks``: ids
-    most frequent first; default: counted on the Python standard library, see quickdraft.spec.vocab),
+    most frequent first; default: counted on the Python standard library, see quickdraft.speculative.vocab),
     the first ``n`` ids and the tokenizer's added tokens (EOS, chat markers); each request adds its
     prompt's tokens.
     None where no cut applies (n = 0, or n covers the vocabulary)."""
@@ -198,13 +198,17 @@ def build_eagle3_drafter(
 ) -> Eagle3Drafter | None:
     """Load the head at ``spec`` for ``target``; None when the canary finds it useless.
 
-    The canary decodes a few tokens with the head (quickdraft.spec.eagle3.canary). When it fails
+    The canary decodes a few tokens with the head (quickdraft.speculative.eagle3.canary). When it fails
     and the file did not name its aux layer convention, the other convention is tried before
     giving up. ``num_draft``: fixed tree size (no cost model). ``standalone``: the drafter measures
     and tracks the target's pass costs itself (not inside an AutoDrafter, which shares its own).
     ``mode``: "auto"/"tree" (dynamic trees) or "chain".
     """
-    from quickdraft.spec.eagle3.canary import CANARY_TOKENS, MIN_TAU, canary_tau  # runs the engine
+    from quickdraft.speculative.eagle3.canary import (  # runs the engine
+        CANARY_TOKENS,
+        MIN_TAU,
+        canary_tau,
+    )
 
     say(f"loading EAGLE-3 head {spec} ...")
     head, info = load_head(spec, target.model, log=say)

@@ -24,7 +24,7 @@ import torch
 
 from quickdraft import zoo
 from quickdraft.loading.load import LoadedModel
-from quickdraft.spec.policy import measure_pass_seconds
+from quickdraft.speculative.policy import measure_pass_seconds
 
 MAX_AGE_DAYS = 30
 MAX_ENTRIES = 64  # the most recently measured are kept (tests and experiments add many)
