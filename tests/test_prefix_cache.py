@@ -10,12 +10,12 @@ mid-generation, fp32 Python layers and the native quantized stack.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from test_spec import perturbed_copy
 from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.cache import KVCache
@@ -46,19 +46,10 @@ class Pair:
     near: LoadedModel
 
 
-def _perturbed(folder: Path, scale: float) -> LoadedModel:
-    copy = load_model(str(folder), dtype="float32", max_context=CONTEXT)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in copy.model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * param.std() * scale)
-    return copy
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     folder = make_tiny_hf_model(tmp_path_factory.mktemp("prefix"), "llama", num_hidden_layers=3, seed=11)
-    return Pair(load_model(str(folder), dtype="float32", max_context=CONTEXT), _perturbed(folder, 0.02))
+    return Pair(load_model(str(folder), dtype="float32", max_context=CONTEXT), perturbed_copy(folder, seed=3, scale=0.02, max_context=CONTEXT))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 
 from quickdraft import __version__
 from quickdraft.bench.metrics import Record, summarize_method
+from quickdraft.hardware import cpu_model
 
 SCHEMA = "quickdraft.bench/1"
 
@@ -43,17 +44,6 @@ def environment() -> dict[str, Any]:
             "cpu_kernels_isa": kernels.isa() if kernels is not None else None,
         },
     }
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def build_report(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 import warnings
@@ -23,23 +22,13 @@ from pathlib import Path
 import torch
 
 from quickdraft import zoo
+from quickdraft.hardware import cpu_model
 from quickdraft.loading.load import LoadedModel
 from quickdraft.speculative.policy import measure_pass_seconds
 
 MAX_AGE_DAYS = 30
 MAX_ENTRIES = 64  # the most recently measured are kept (tests and experiments add many)
 FILE_NAME = "pass_costs.json"
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cost_key(loaded: LoadedModel, rows: tuple[int, ...], variant: str = "") -> str:
@@ -55,7 +44,7 @@ def cost_key(loaded: LoadedModel, rows: tuple[int, ...], variant: str = "") -> s
         ident = str(path)
     build = f"{kernels.build_name()}/{kernels.isa()}" if active_kernels() is not None else "reference"
     device = loaded.model.device
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     return "|".join([where, ident, build, f"threads={torch.get_num_threads()}", str(loaded.model.dtype),
                      f"rows={','.join(map(str, rows))}", variant])
 
