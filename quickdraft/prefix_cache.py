@@ -104,10 +104,6 @@ class PrefixCacheStats:
     stored: int = 0
     evicted: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.requests if self.requests else 0.0
-
 
 @dataclass
 class PrefixCache:
