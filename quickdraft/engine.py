@@ -31,7 +31,7 @@ import torch
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.graphs import make_step_graphs
-from quickdraft.models.layers import PREFILL_CHUNK
+from quickdraft.models.layers import prefill_chunks
 from quickdraft.models.llama import CausalLM
 from quickdraft.prefix_cache import PrefixCache, as_ids
 from quickdraft.sampling import (
@@ -324,9 +324,9 @@ class Engine:
         and each captured layer's rows [T, H]."""
         parts: list[list[torch.Tensor]] = []
         logits = torch.empty(0)
-        for s in range(0, ids.shape[0], PREFILL_CHUNK):
-            last = s + PREFILL_CHUNK >= ids.shape[0]
-            logits, captured = self._run(req, ids[s : s + PREFILL_CHUNK], num_logits=1 if last else 0)
+        t = ids.shape[0]
+        for s, e in prefill_chunks(0, t):
+            logits, captured = self._run(req, ids[s:e], num_logits=1 if e == t else 0)
             parts.append(captured)
         if len(parts) == 1:
             return logits, parts[0]

@@ -25,6 +25,11 @@ BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invaria
 PREFILL_CHUNK = BLOCKED_MAX_ROWS
 
 
+def prefill_chunks(start: int, end: int) -> list[tuple[int, int]]:
+    """Rows ``[start, end)`` cut into the passes a prefill runs: ``(s, e)`` of at most PREFILL_CHUNK."""
+    return [(s, min(s + PREFILL_CHUNK, end)) for s in range(start, end, PREFILL_CHUNK)]
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose result for a row does not depend on how many rows come with it.
 

@@ -17,7 +17,6 @@ from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
 from quickdraft.models.layers import (
     BLOCKED_MAX_ROWS,
-    PREFILL_CHUNK,
     DecoderLayer,
     Linear,
     RMSNorm,
@@ -25,6 +24,7 @@ from quickdraft.models.layers import (
     Step,
     causal_mask,
     embedding,
+    prefill_chunks,
 )
 from quickdraft.models.native import NativeStack
 
@@ -124,10 +124,10 @@ class CausalLM(nn.Module):
         """:meth:`forward` over ``ids`` [T] in passes of at most PREFILL_CHUNK rows (bitwise the keys
         and values of any other cut); logits [1, V] of the last row."""
         logits = torch.empty(0)
-        for s in range(0, ids.shape[0], PREFILL_CHUNK):
-            last = s + PREFILL_CHUNK >= ids.shape[0]
-            pos = None if positions is None else positions[s : s + PREFILL_CHUNK]
-            logits, _ = self(ids[s : s + PREFILL_CHUNK], cache, positions=pos, num_logits=1 if last else 0)
+        t = ids.shape[0]
+        for s, e in prefill_chunks(0, t):
+            pos = None if positions is None else positions[s:e]
+            logits, _ = self(ids[s:e], cache, positions=pos, num_logits=1 if e == t else 0)
         return logits
 
     @torch.inference_mode()

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.layers import PREFILL_CHUNK
+from quickdraft.models.layers import prefill_chunks
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
@@ -280,8 +280,7 @@ class Eagle3Drafter:
         if self.cache.max_len - start < self.fed - start + self.shape.max_depth * self.shape.top_k:
             return None  # the context is nearly full: nothing left to draft into
         t0 = time.perf_counter()
-        for s in range(start, self.fed, PREFILL_CHUNK):
-            e = min(s + PREFILL_CHUNK, self.fed)
+        for s, e in prefill_chunks(start, self.fed):
             ids = torch.tensor(self.tokens[s + 1 : e + 1], dtype=torch.long, device=self.head.device)
             logits, h = self.head(self._embed(ids), self.head.fuse(self.features[s:e]), self.cache, num_logits=1)
         if self.fed - start <= 2:
