@@ -104,8 +104,8 @@ def main() -> None:
 
     from quickdraft.api import configure_threads
     from quickdraft.eval import load_text
+    from quickdraft.export.fp8 import export_fp8
     from quickdraft.loading.load import load_model
-    from quickdraft.quant.fp8_export import export_fp8
 
     configure_threads(None)
     text = load_text(args.text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,17 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dims of each head (phi3)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The fields as JSON values (:meth:`from_json_dict` reads them back equal)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read :meth:`to_json_dict` back: JSON lists become the tuples the fields hold."""
+        tuples = {f.name for f in fields(cls) if "tuple" in str(f.type)}
+        values: dict[str, Any] = {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in d.items()}
+        return cls(**values)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:

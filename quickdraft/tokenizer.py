@@ -141,6 +141,11 @@ class _Specials:
     strings: Mapping[str, str] = field(default_factory=dict)
 
 
+# Backends built by Tokenizer.from_state, by the hash of their JSON: read-only once built, so
+# tokenizers with the same JSON (a target and its draft model) share one.
+_SHARED_BACKENDS: dict[str, _Backend] = {}
+
+
 class Tokenizer:
     """A fast tokenizer plus the special tokens and chat template a model comes with.
 
@@ -233,6 +238,37 @@ class Tokenizer:
         specials = _with_observed_add_bos(backend, specials)
         vocab_size = backend.get_vocab_size(with_added_tokens=True)
         return cls(backend, specials, _hf_chat_template(root, config), vocab_size)
+
+    def to_state(self) -> tuple[str, dict[str, Any]]:
+        """(tokenizer.json text, everything else as JSON-able values): what :meth:`from_state`
+        rebuilds this tokenizer from, fingerprint included (prepared weights keep it)."""
+        sp = self._specials
+        state = {
+            "specials": {
+                **dataclasses.asdict(sp),
+                "extra_eos_ids": sorted(sp.extra_eos_ids),
+                "strings": dict(sp.strings),
+            },
+            "chat_template": self.chat_template,
+            "vocab_size": self.vocab_size,
+            "unused_ids": sorted(self._unused_ids),
+            "fingerprint": self.fingerprint(),
+        }
+        return self._backend.to_str(), state
+
+    @classmethod
+    def from_state(cls, backend_json: str, state: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer :meth:`to_state` described (~0.4 s for a 150k vocabulary, half of
+        building it from GGUF metadata)."""
+        digest = hashlib.sha256(backend_json.encode("utf-8")).hexdigest()
+        backend = _SHARED_BACKENDS.get(digest)
+        if backend is None:  # a draft model usually has its target's vocabulary: parsed once
+            backend = _SHARED_BACKENDS[digest] = _Backend.from_str(backend_json)
+        sp = dict(state["specials"])
+        specials = _Specials(**{**sp, "extra_eos_ids": frozenset(sp["extra_eos_ids"])})
+        tok = cls(backend, specials, state["chat_template"], int(state["vocab_size"]), frozenset(state["unused_ids"]))
+        tok._fingerprint = str(state["fingerprint"])
+        return tok
 
     # ------------------------------------------------------------------------------- encoding
 

@@ -30,6 +30,7 @@ from quickdraft.api import LLM
 from quickdraft.cli.main import main
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
+from quickdraft.export.fp8 import write_tokenizer_files
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.quant import fp8
 from quickdraft.quant.fp8 import (
@@ -43,7 +44,6 @@ from quickdraft.quant.fp8 import (
     scale_shape,
     using_activation_mode,
 )
-from quickdraft.quant.fp8_export import write_tokenizer_files
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.tokenizer import Tokenizer

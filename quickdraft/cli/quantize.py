@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quickdraft.quant.fp8_export import export_fp8
+    from quickdraft.export.fp8 import export_fp8
 
     if not args.fp8:
         raise QuickdraftError("choose the format to quantize to: --fp8 (the only one so far)")

@@ -217,11 +217,13 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """A weight kept in its GGUF block format: ``raw`` [N, row_bytes] uint8 for an [N, K] matrix."""
+    """A weight kept in its GGUF block format: ``raw`` [N, row_bytes] uint8 for an [N, K] matrix
+    (``lanes``: already in the q8 kernels' lane layout, as prepared weights keep it)."""
 
     qtype: GGMLQuantizationType
     raw: torch.Tensor
     shape: tuple[int, int]
+    lanes: bool = False
 
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)

@@ -19,6 +19,7 @@ from quickdraft import zoo
 from quickdraft.config import DTYPE_CHOICES, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading import gguf as gguf_io
+from quickdraft.loading import prepared
 from quickdraft.loading import safetensors as st_io
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.loading.weights import load_weights
@@ -89,6 +90,7 @@ def load_model(
     t0 = time.perf_counter()
     path = resolve(spec)
     quantized = dtype == "auto" and path.is_file() and _kernels_available(device)
+    ready: prepared.Prepared | None = None
     dtype = "float32" if quantized else ("bfloat16" if dtype == "auto" else dtype)
     tensors: Iterator[tuple[str, torch.Tensor | QuantTensor | FP8Tensor]]
     if path.is_dir():
@@ -101,6 +103,8 @@ def load_model(
         cfg = converted_config(converted)
         tokenizer = Tokenizer.from_gguf(path)
         tensors = st_io.iter_file(converted)
+    elif quantized and (ready := prepared.open_prepared(path)) is not None:  # mapped, already repacked
+        cfg, tokenizer, tensors = ready.config, ready.tokenizer, ready.tensors()
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
@@ -117,8 +121,16 @@ def load_model(
     convert = getattr(model, "convert_checkpoint", None)  # MoE models: expert layouts and names
     if convert is not None:
         tensors = convert(tensors)
+    recorder = None
+    if quantized and ready is None and convert is None and prepared.wanted(path):
+        recorder = prepared.Recorder(path)
+        tensors = recorder.watch(tensors)
     load_weights(model, tensors, tied=cfg.tie_word_embeddings)
     model.eval()
+    if quantized:
+        prepared.set_kernel_layouts(model)  # (else at the first pass)
+    if recorder is not None:
+        recorder.save(model, cfg, tokenizer)
     if not quantized and _is_zoo_file(path) and not converted_path(path, dtype).is_file():
         save_converted(model, cfg, converted_path(path, dtype))
     return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - t0)
@@ -148,7 +160,7 @@ def converted_path(gguf_path: Path, dtype: str) -> Path:
 
 def converted_config(path: Path) -> ModelConfig:
     meta = st_io.file_metadata(path)
-    return ModelConfig(**json.loads(meta["quickdraft.config"]))
+    return ModelConfig.from_json_dict(json.loads(meta["quickdraft.config"]))
 
 
 def save_converted(model: CausalLM, cfg: ModelConfig, dest: Path) -> None:
@@ -157,7 +169,7 @@ def save_converted(model: CausalLM, cfg: ModelConfig, dest: Path) -> None:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
-        save_file(state, str(tmp), metadata={"quickdraft.config": json.dumps(dataclasses.asdict(cfg))})
+        save_file(state, str(tmp), metadata={"quickdraft.config": json.dumps(cfg.to_json_dict())})
         os.replace(tmp, dest)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -58,11 +58,20 @@ def _install_quantized(model: nn.Module, name: str, q: QuantTensor, tied: bool) 
     parent = model.get_submodule(parent_name)
     old = getattr(parent, attr)
     if isinstance(old, nn.Embedding):
-        linear = GGMLLinear(q.qtype, q.raw, q.shape[1])
+        linear = GGMLLinear(q.qtype, q.raw, q.shape[1], lanes=q.lanes)
         setattr(parent, attr, QuantEmbedding(linear))
         if tied:  # one copy of the blocks serves the embedding and the output head
             model.lm_head = linear  # type: ignore[assignment]
     elif isinstance(old, nn.Linear):
-        setattr(parent, attr, GGMLLinear(q.qtype, q.raw, q.shape[1], bias=old.bias))
+        setattr(parent, attr, GGMLLinear(q.qtype, q.raw, q.shape[1], bias=old.bias, lanes=q.lanes))
     else:
         raise QuickdraftError(f"tensor {name} is block-quantized, but its layer cannot use quantized weights")
+
+
+def quantized_linear(model: nn.Module, name: str) -> nn.Module:
+    """The module that holds checkpoint tensor ``name``'s blocks once installed (the GGMLLinear
+    itself, or the one inside a QuantEmbedding)."""
+    from quickdraft.models.layers import QuantEmbedding
+
+    module = model.get_submodule(name.removesuffix(".weight"))
+    return module.linear if isinstance(module, QuantEmbedding) else module

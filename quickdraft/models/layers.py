@@ -108,10 +108,20 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def allocate_empty(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """Give a module built on the meta device uninitialised storage on ``device``, floating
+    tensors in ``dtype``: ``module.to(dtype).to_empty(device)`` without its cost, since empty_like
+    of a meta tensor runs torch's Python reference ops, whose first use imports sympy (~1 s of a
+    cold start)."""
+    return module._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies ``[D/2]`` including the rope_scaling variants we support."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # Always on the CPU (also under ``torch.device("meta")``: meta-device arithmetic goes through
+    # torch's Python references, whose first use imports torch._dynamo, 1.5 s of cold start).
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
@@ -119,7 +129,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     elif kind == "llama3":
         inv = _llama3_scale(inv, scaling)
     elif kind == "freq_factors":  # GGUF's rope_freqs tensor: llama.cpp divides each frequency
-        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
     elif kind != "default":
         from quickdraft.errors import QuickdraftError
 
@@ -152,11 +162,14 @@ class Rope(nn.Module):
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the fp32 tables, e.g. after the model was built on the meta device."""
-        device = device or self.cos.device
-        inv = rope_inv_freq(self.cfg).to(device)
-        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=device), inv)  # [S, D/2]
+        device = torch.device(device or self.cos.device)
+        inv = rope_inv_freq(self.cfg)  # on the CPU; also checks the scaling type on the meta device
+        if device.type == "meta":  # built before loading: materialize() computes the real tables
+            self.cos = self.sin = torch.empty(self.max_len, 2 * inv.numel(), device=device)
+            return
+        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device="cpu"), inv)  # [S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [heads, T, D]; positions [T]

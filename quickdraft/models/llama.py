@@ -22,6 +22,7 @@ from quickdraft.models.layers import (
     RMSNorm,
     Rope,
     Step,
+    allocate_empty,
     causal_mask,
     embedding,
     prefill_chunks,
@@ -65,7 +66,7 @@ class CausalLM(nn.Module):
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
         """Give a model built on the meta device real (uninitialised) storage in ``dtype``."""
-        self.to(dtype=dtype).to_empty(device=device)
+        allocate_empty(self, device, dtype)
         self.model.rope.reset_tables(device)
         self.tie_weights()
         self.dtype, self.device = dtype, torch.device(device)

@@ -28,20 +28,23 @@ class PartialRope(Rope):
     """RoPE over the first ``head_dim * partial_rotary_factor`` dims, with LongRoPE's short factors."""
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
-        device = device or self.cos.device
+        device = torch.device(device or self.cos.device)
         cfg = self.cfg
         dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
         scaling = cfg.rope_scaling or {}
         scale = 1.0
         if scaling.get("rope_type") == "longrope":
-            inv = inv / torch.tensor(scaling["short_factor"], dtype=torch.float64)
+            inv = inv / torch.tensor(scaling["short_factor"], dtype=torch.float64, device="cpu")
             scale = float(scaling["attention_factor"])
         elif scaling:
             raise QuickdraftError(f"Phi-3 rope_scaling {scaling.get('rope_type')!r} is not supported (supported: longrope)")
-        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32), inv.float()).to(device)
+        if device.type == "meta":  # built before loading: materialize() computes the real tables
+            self.cos = self.sin = torch.empty(self.max_len, dim, device=device)
+            return
+        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device="cpu"), inv.float())
         emb = torch.cat([freqs, freqs], dim=-1)  # [S, dim]
-        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+        self.cos, self.sin = (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         dim = self.cos.shape[-1]

@@ -134,6 +134,15 @@ LANE_TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, 
 LANES_ID = 1000  # the kernels' id of a lane layout: GGML type id + LANES_ID
 
 
+def lanes_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes per row in the lane layout: the GGML row for Q4_K / Q6_K; for the 32-block formats
+    ceil(K / 256) super-blocks of 8 blocks (a partial last one padded)."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        return in_features // bs * ts
+    return -(-in_features // 256) * 8 * ts
+
+
 def _lane_parts(qtype: GGMLQuantizationType) -> list[tuple[list[int], list[int], list[int], list[int], int]]:
     """Per bit field of the 256 values: (GGML byte, GGML shift, lanes byte, lanes shift, mask)."""
     lane_b, lane_v = [], []
@@ -409,11 +418,16 @@ class GGMLLinear(nn.Module):
         in_features: int,
         bias: torch.Tensor | None = None,
         activations: str | None = None,
+        lanes: bool = False,
     ) -> None:
+        """``raw`` holds GGML blocks, or with ``lanes`` the q8 kernels' lane layout of them
+        (prepared weights: :mod:`quickdraft.loading.prepared`)."""
         super().__init__()
         self._activations = None if activations is None else _check_mode(activations)
         self.qtype = _qtype(qtype)
         self._qt = int(self.qtype)
+        if lanes and self.qtype not in LANE_TYPES:
+            raise ValueError(f"{self.qtype.name} has no lane layout")
         bs, ts = GGML_QUANT_SIZES[self.qtype]
         if not isinstance(raw, torch.Tensor):
             raw = torch.as_tensor(raw)
@@ -423,7 +437,7 @@ class GGMLLinear(nn.Module):
             raise ValueError(
                 f"in_features {in_features} is not a multiple of the {self.qtype.name} block size {bs}"
             )
-        row_bytes = in_features // bs * ts
+        row_bytes = lanes_row_bytes(self.qtype, in_features) if lanes else in_features // bs * ts
         if raw.dim() == 1:
             raw = raw.reshape(-1, row_bytes)
         if raw.dim() != 2 or raw.shape[1] != row_bytes:
@@ -441,7 +455,7 @@ class GGMLLinear(nn.Module):
         self._ref_weight: torch.Tensor | None = None
         self._cache_ref = False
         self._act_block = activation_block_size(self.qtype)
-        self._lanes = False  # raw holds the lane layout (after a q8 kernel call)
+        self._lanes = lanes  # raw holds the lane layout (after a q8 kernel call, or prepared)
 
     @property
     def activations(self) -> str | None:

@@ -69,6 +69,7 @@ from torch import Tensor
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.layers import allocate_empty
 from quickdraft.models.llama import CausalLM
 from quickdraft.speculative.eagle3.head import Eagle3Config, Eagle3Head, default_aux_layers
 
@@ -242,7 +243,7 @@ def build_head(cfg: Eagle3Config, target: CausalLM, own_embedding: bool = False,
     the target's context plus ``extra_len`` drafted positions."""
     with torch.device("meta"):
         head = Eagle3Head(cfg, max_len=target.max_len + extra_len, own_embedding=own_embedding)
-    head.to(dtype=target.dtype).to_empty(device=target.device)
+    allocate_empty(head, target.device, target.dtype)
     head.rope.reset_tables(target.device)
     with torch.no_grad():  # buffers: default identity vocabulary map until loaded
         head.d2t.zero_()

@@ -1,0 +1,255 @@
+"""Prepared weights: a GGUF model kept in the cache folder as the CPU kernels compute on it.
+
+Loading a GGUF file for the q8 kernels parses its metadata and tokenizer (~1 s for a 150k
+vocabulary), copies every block out of the memory map (~1 s per GB) and repacks the Q4_K / Q6_K /
+32-block matrices into the kernels' lane layout (~1.3 s for Qwen2.5-Coder-1.5B). None of it
+depends on anything but the file and the kernel build, so the first load writes the result next to
+the other cached files and every later start maps it instead::
+
+    <cache>/prepared/<gguf stem>-<key digest>/
+        index.json      key, ModelConfig, tokenizer state (specials, template, fingerprint), and
+                        per tensor: name, offset, shape, dtype or GGML type + layout
+        tokenizer.json  the tokenizers backend, as ``tokenizers.Tokenizer.to_str`` wrote it
+        weights.bin     every tensor, 64-byte aligned, blocks already in their kernel layout
+
+A later load maps ``weights.bin`` copy-on-write (no read, no copy: pages come from the page cache
+as the first pass touches them) and builds the tokenizer from its JSON. The values are the bytes
+the GGUF path produces, so results are bitwise the same either way (tests check it).
+
+The key is the GGUF's resolved path, size and modification time, the kernel build
+(:func:`quickdraft.kernels.build_name`, which changes with any kernel source) and :data:`FORMAT`:
+a replaced file or a new build gets a new folder (the old one of the same file is removed), and a
+damaged folder is rebuilt with the reason printed. Files under :data:`MIN_BYTES` load quickly
+anyway and are not prepared; at most :data:`MAX_ENTRIES` models are kept (least recently used go
+first). ``QUICKDRAFT_PREPARED=0`` turns it off. Writing is atomic (a temporary folder renamed);
+a cache folder that cannot be written (read-only, disk full) only warns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quickdraft import zoo
+from quickdraft.config import ModelConfig
+from quickdraft.loading.gguf import GGMLQuantizationType, QuantTensor
+from quickdraft.tokenizer import Tokenizer
+
+FORMAT = 1  # bump when the folder's layout or meaning changes
+MIN_BYTES = 32 << 20
+MAX_ENTRIES = 8
+_ALIGN = 64
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Tensors = Iterable[tuple[str, Any]]
+
+
+def enabled() -> bool:
+    return os.environ.get("QUICKDRAFT_PREPARED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def root() -> Path:
+    return zoo.cache_dir() / "prepared"
+
+
+def key(gguf: Path) -> dict[str, Any]:
+    """What the prepared copy of ``gguf`` depends on."""
+    from quickdraft import kernels
+
+    st = gguf.stat()
+    return {
+        "format": FORMAT,
+        "path": str(gguf.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "kernels": kernels.build_name(),
+    }
+
+
+def folder(gguf: Path, k: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
+    return root() / f"{gguf.stem}-{digest}"
+
+
+def wanted(gguf: Path) -> bool:
+    """Whether ``gguf`` is worth preparing (on, a file, large enough)."""
+    return enabled() and gguf.is_file() and gguf.stat().st_size >= MIN_BYTES
+
+
+@dataclass
+class Prepared:
+    """An opened prepared folder: config, tokenizer and the tensors as ``load_weights`` takes them."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    entries: list[dict[str, Any]]
+    weights: np.ndarray  # uint8 copy-on-write map of weights.bin
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        for e in self.entries:
+            data = torch.from_numpy(self.weights[e["offset"] : e["offset"] + e["nbytes"]])
+            if e["kind"] == "quant":
+                rows = int(e["shape"][0])
+                raw = data.reshape(rows, -1)
+                yield e["name"], QuantTensor(GGMLQuantizationType(e["qtype"]), raw, tuple(e["shape"]), e["lanes"])
+            else:
+                yield e["name"], data.view(_TORCH_DTYPES[e["dtype"]]).reshape(e["shape"])
+
+
+def open_prepared(gguf: Path) -> Prepared | None:
+    """The prepared copy of ``gguf``, or None (absent; damaged or stale ones say why on stderr)."""
+    if not wanted(gguf):
+        return None
+    k = key(gguf)
+    where = folder(gguf, k)
+    if not where.is_dir():
+        return None
+    try:
+        index = json.loads((where / "index.json").read_text(encoding="utf-8"))
+        if index.get("key") != k:
+            raise ValueError("its key does not match the model file")
+        weights = where / "weights.bin"
+        if weights.stat().st_size != index["weights_bytes"]:
+            raise ValueError(f"weights.bin has {weights.stat().st_size} bytes, the index says {index['weights_bytes']}")
+        tokenizer = Tokenizer.from_state((where / "tokenizer.json").read_text(encoding="utf-8"), index["tokenizer"])
+        config = ModelConfig.from_json_dict(index["config"])
+        mapped = np.memmap(weights, dtype=np.uint8, mode="c") if index["weights_bytes"] else np.zeros(0, np.uint8)
+        os.utime(where / "index.json")  # least recently used goes first
+    except Exception as exc:  # any damage: rebuild from the GGUF
+        print(f"prepared weights in {where} are unusable ({type(exc).__name__}: {exc}); rebuilding them",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+    return Prepared(config, tokenizer, index["tensors"], mapped)
+
+
+class Recorder:
+    """Notes what a GGUF load streams into the model, then writes the prepared folder from the
+    loaded model (so nothing is held twice meanwhile)."""
+
+    def __init__(self, gguf: Path) -> None:
+        self.gguf = gguf
+        self.names: list[tuple[str, bool]] = []  # (checkpoint name, block-quantized)
+
+    def watch(self, tensors: Tensors) -> Iterator[tuple[str, Any]]:
+        for name, t in tensors:
+            self.names.append((name, isinstance(t, QuantTensor)))
+            yield name, t
+
+    def save(self, model: nn.Module, config: ModelConfig, tokenizer: Tokenizer) -> None:
+        """Write the folder (blocks in the layout they now have)."""
+        k = key(self.gguf)
+        dest = folder(self.gguf, k)
+        tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            entries: list[dict[str, Any]] = []
+            offset = 0
+            with open(tmp / "weights.bin", "wb") as f:
+                for name, quant in self.names:
+                    found = _loaded(model, name, quant)
+                    if found is None:  # a tensor the loader skips (tied lm_head, rotary_emb.inv_freq)
+                        continue
+                    data, entry = found
+                    blob = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    pad = -offset % _ALIGN
+                    f.write(b"\0" * pad)
+                    offset += pad
+                    entries.append({"name": name, **entry, "offset": offset, "nbytes": int(blob.size)})
+                    f.write(blob.data)
+                    offset += int(blob.size)
+            backend_json, tok_state = tokenizer.to_state()
+            (tmp / "tokenizer.json").write_text(backend_json, encoding="utf-8")
+            index = {"key": k, "config": config.to_json_dict(), "tokenizer": tok_state,
+                     "tensors": entries, "weights_bytes": offset}
+            (tmp / "index.json").write_text(json.dumps(index), encoding="utf-8")
+            for old in root().iterdir():  # earlier versions of this file; partials left by a crash
+                if old != dest and old != tmp and (_key_path(old) == k["path"] or _stale_partial(old)):
+                    shutil.rmtree(old, ignore_errors=True)
+            if dest.exists():  # another process prepared it meanwhile
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.replace(tmp, dest)
+            _evict(keep=dest)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            warnings.warn(f"could not keep prepared weights in {dest} ({exc}); the next start reads the GGUF again",
+                          stacklevel=2)
+
+
+def _loaded(model: nn.Module, name: str, quant: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """Checkpoint tensor ``name`` as the model now holds it, with its index entry."""
+    from quickdraft.loading.weights import quantized_linear
+    from quickdraft.quant.ggml import GGMLLinear
+
+    parent, _, attr = name.rpartition(".")
+    try:
+        if quant:
+            linear = quantized_linear(model, name)
+        else:
+            value = getattr(model.get_submodule(parent), attr)
+    except AttributeError:
+        return None
+    if quant:
+        if not isinstance(linear, GGMLLinear):
+            return None
+        return linear.raw, {"kind": "quant", "qtype": int(linear.qtype), "lanes": bool(linear._lanes),
+                            "shape": [linear.out_features, linear.in_features]}
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value, {"kind": "float", "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
+
+
+def _key_path(p: Path) -> str | None:
+    try:
+        return json.loads((p / "index.json").read_text(encoding="utf-8"))["key"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _stale_partial(p: Path) -> bool:
+    try:
+        return ".partial-" in p.name and time.time() - p.stat().st_mtime > 3600
+    except OSError:
+        return False
+
+
+def _evict(keep: Path) -> None:
+    folders = [p for p in root().iterdir() if p.is_dir() and ".partial-" not in p.name and p != keep]
+    folders.sort(key=lambda p: _used(p), reverse=True)
+    for old in folders[MAX_ENTRIES - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _used(p: Path) -> float:
+    try:
+        return (p / "index.json").stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def set_kernel_layouts(model: nn.Module) -> None:
+    """Put every matrix the q8 kernels multiply by into their lane layout now (it would happen at
+    the first pass), so the prepared copy keeps it; embedding-only tables stay in GGML blocks."""
+    from quickdraft.models.layers import QuantEmbedding
+    from quickdraft.quant.ggml import LANE_TYPES, GGMLLinear
+
+    embedding_only = {id(m.linear) for m in model.modules() if isinstance(m, QuantEmbedding)}
+    embedding_only.discard(id(getattr(model, "lm_head", None)))
+    for m in model.modules():
+        if (type(m) is GGMLLinear and id(m) not in embedding_only and m.qtype in LANE_TYPES
+                and m.activation_mode == "q8"):
+            m._set_layout(True)
