@@ -71,6 +71,7 @@ class LLM:
         cuda_graphs: str = "auto",
         draft_confidence: float | None = None,
         prefix_cache_mb: int | None = None,
+        kv_dtype: str = "auto",
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
@@ -84,7 +85,8 @@ class LLM:
         ``prefix_cache_mb``: host memory for prefix-cache copies of earlier sequences (0 = no reuse
         at all; None = the default, DEFAULT_PREFIX_CACHE_MB capped at a quarter of the memory): a
         request that begins with the ids of an earlier one (a conversation's history) computes only
-        the rest."""
+        the rest. ``kv_dtype``: the KV cache's element type (auto: float16 on the CPU kernels' path,
+        else the activation dtype; float32, float16, bfloat16)."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
                           draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
@@ -103,7 +105,7 @@ class LLM:
                 model, tensor_parallel, dtype, max_context=max_context, threads=self.threads
             )
         else:
-            self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context)
+            self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context, kv_dtype=kv_dtype)
         self.tokenizer = self.target.tokenizer
         self.prefix_cache = PrefixCache(budget)
         self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs, warn=log or runtime_warning,
@@ -112,7 +114,8 @@ class LLM:
             log(describe_memory(self.engine, self.prefix_cache))
         if tensor_parallel == 1:
             self.engine.warm_up()
-        self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log or (lambda _msg: None))
+        self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log or (lambda _msg: None),
+                                                     kv_dtype=kv_dtype)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -144,3 +144,37 @@ def test_attend_writes_the_new_keys_first():
     assert torch.equal(out, ref)
     with pytest.raises(RuntimeError, match="reach past the cache"):
         ops.attend(q, k2, v2, 18, 0, 0.2, None, None, kn, vn)
+
+
+@requires_kernels
+def test_attend_over_a_float16_cache_is_the_float32_result_of_its_values():
+    """An fp16 cache: new keys and values are rounded as torch's .half() rounds them, then every
+    row (chain, window, tree) computes bitwise what it computes over an fp32 cache holding the same
+    (widened) values, and a row alone equals the same row in a pass."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, start, t = 12, 2, 64, 30, 4
+    k = torch.randn(hkv, 48, d, generator=g) * 3
+    v = torch.randn(hkv, 48, d, generator=g) * 3
+    kn = torch.randn(t, hkv, d, generator=g).transpose(0, 1) * 3
+    vn = torch.randn(t, hkv, d, generator=g).transpose(0, 1) * 3
+    q = torch.randn(hq, t, d, generator=g)
+    ops = _ops()
+    kh, vh = k.half(), v.half()
+    out = ops.attend(q, kh, vh, start, 0, 0.125, None, None, kn, vn)
+    assert torch.equal(kh[:, start : start + t], kn.half()) and torch.equal(vh[:, start : start + t], vn.half())
+    kf, vf = kh.float(), vh.float()  # the same values in fp32
+    assert torch.equal(out, ops.attend(q, kf[:, : start + t], vf[:, : start + t], start, 0, 0.125, None, None))
+    for i in range(t):
+        end = start + i + 1
+        alone = ops.attend(q[:, i : i + 1], kh[:, :end], vh[:, :end], end - 1, 0, 0.125, None, None)
+        assert torch.equal(alone[0], out[i])
+        ref = _sdpa(q[:, i : i + 1], kf[:, :end], vf[:, :end], 0.125)[:, 0]
+        torch.testing.assert_close(out[i].view(hq, d), ref, rtol=1e-5, atol=1e-5)
+    win = ops.attend(q, kh[:, : start + t], vh[:, : start + t], start, 8, 0.125, None, None)
+    assert torch.equal(win, ops.attend(q, kf[:, : start + t], vf[:, : start + t], start, 8, 0.125, None, None))
+    rows = torch.cat([torch.arange(start), torch.tensor([start + 1])])
+    offsets = torch.tensor([0, rows.numel()])
+    tree = ops.attend(q[:, :1], kh[:, : start + 2], vh[:, : start + 2], start, 0, 0.125, rows, offsets)
+    assert torch.equal(tree, ops.attend(q[:, :1], kf[:, : start + 2], vf[:, : start + 2], start, 0, 0.125, rows, offsets))
+    with pytest.raises(RuntimeError, match="one type"):
+        ops.attend(q, kh, vf, start, 0, 0.125, None, None)

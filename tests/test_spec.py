@@ -334,6 +334,21 @@ def test_gguf_native_scripted_drafters_match_plain_greedy(tiny_gguf: Case, kind:
     check_scripted(tiny_gguf, kind, k)
 
 
+def test_gguf_kv_cache_is_float16_by_default(tiny_gguf: Case, tiny_root: Path) -> None:
+    """The CPU kernels' path keeps keys and values in fp16 (every test on tiny_gguf runs on it);
+    --kv-dtype float32 keeps fp32, and the two agree to fp16 rounding."""
+    model = tiny_gguf.loaded.model
+    assert model.kv_dtype == torch.float16 and model.make_cache(8).k.dtype == torch.float16
+    fp32 = load_model(str(tiny_root / "qwen2.gguf"), max_context=256, kv_dtype="float32")
+    assert fp32.model.make_cache(8).k.dtype == torch.float32
+    ids = torch.tensor(tiny_gguf.prompt)
+    a = model.prefill(ids, model.make_cache(64))
+    b = fp32.model.prefill(ids, fp32.model.make_cache(64))
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
+    with pytest.raises(QuickdraftError, match="KV cache dtype"):
+        load_model(str(tiny_root / "qwen2.gguf"), kv_dtype="int4")
+
+
 def test_gguf_native_ngram_and_rows(tiny_gguf: Case) -> None:
     run = tiny_gguf.spec(NGramDrafter(min_ngram=1), 5)
     assert run.ids == tiny_gguf.truth and run.stats.drafted > 0

@@ -220,6 +220,7 @@ class MethodOptions:
     cuda_graphs: str = "auto"  # see Engine
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # see SpecConfig.draft_confidence
     prefix_cache_bytes: int = 0  # see PrefixCache: turn n of a conversation reuses turn n - 1
+    kv_dtype: str = "auto"  # the draft model's KV cache type (see load_model)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -314,6 +315,7 @@ def build_in_process(
                 target,
                 opts.dtype,
                 say,
+                kv_dtype=opts.kv_dtype,
             )
         out.append(
             InProcessContender(m, engine, drafter, k, (proc.memory_info().rss - rss) / 2**20)

@@ -20,6 +20,7 @@ from quickdraft.config import (
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_VOCAB,
     DTYPE_CHOICES,
+    KV_DTYPE_CHOICES,
     prefix_cache_bytes,
 )
 from quickdraft.errors import QuickdraftError
@@ -83,6 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--max-context", type=int, default=None, help="KV cache length (default: min(model, 8192))"
+    )
+    g.add_argument(
+        "--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+        help="KV cache element type, as for generate (default: auto = float16 on the CPU kernels' path)",
     )
     g.add_argument(
         "--threads", type=int, default=None, help="compute threads (default: physical cores)"
@@ -167,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab, args.cuda_graphs,
         DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence,
         prefix_cache_bytes(args.prefix_cache_mb, psutil.virtual_memory().total),
+        args.kv_dtype,
     )
     baseline = "none" if "none" in methods else _first_name(methods, endpoints)
     settings = runner.BenchSettings(
@@ -260,6 +266,7 @@ def _contenders(
             draft="none",
             dtype=args.dtype,
             max_context=args.max_context,
+            kv_dtype=args.kv_dtype,
             threads=args.threads,
             device=args.device,
             cuda_graphs=args.cuda_graphs,
@@ -300,6 +307,7 @@ def _meta(
             "draft_vocab",
             "draft_confidence",
             "max_context",
+            "kv_dtype",
             "threads",
             "device",
             "cuda_graphs",

@@ -14,6 +14,7 @@ from quickdraft.config import (
     DEFAULT_PREFIX_CACHE_MB,
     DEVICES,
     DTYPE_CHOICES,
+    KV_DTYPE_CHOICES,
 )
 from quickdraft.sampling import SamplingParams
 
@@ -32,6 +33,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): GGUF weights stay in their quantized blocks, computed by the CPU "
                         "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
     g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
+    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+                   help="KV cache element type: auto (default) = float16 where the CPU kernels run the model "
+                        "(half of float32's memory and bandwidth; lossless speculation either way), else the "
+                        "activation dtype; float32 with --dtype float32 is the exact reference mode")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     g.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                    help="host memory for earlier sequences' keys/values and drafter state: a request that "
@@ -101,7 +106,7 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
               draft_vocab=getattr(args, "draft_vocab", None), device=getattr(args, "device", "auto"),
               draft_confidence=getattr(args, "draft_confidence", None),
               cuda_graphs=getattr(args, "cuda_graphs", "auto"),
-              prefix_cache_mb=getattr(args, "prefix_cache_mb", None))
+              prefix_cache_mb=getattr(args, "prefix_cache_mb", None), kv_dtype=getattr(args, "kv_dtype", "auto"))
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
     return llm
 

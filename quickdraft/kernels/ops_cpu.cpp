@@ -20,8 +20,11 @@
 #include "ops_api.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#define QD_LOAD_INLINE inline __attribute__((always_inline))
 
 namespace {
 
@@ -127,6 +130,12 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 cache values as fp32: a float cache as is, an fp16 one (uint16 bits) widened exactly (F16C).
+QD_LOAD_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+QD_LOAD_INLINE __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // Query heads per pass over a kv head's keys / values (registers: KEYS x HEADS score chains,
 // HEADS x 2 output vectors, within AVX2's 16).
 #define UNROLL _Pragma("GCC unroll 8")
@@ -135,10 +144,10 @@ constexpr int KEYS = 2;
 
 // Scores of keys idx[j0 .. j0 + NK) for NH heads: ps[g][j] = (q_g . k_j) * sc, each (head, key) one
 // chain of FMAs over D from zero then hsum8, whatever heads and keys share the pass.
-template <int NH, int NK>
-inline void scores(const float* const* qr, const float* kb, int64_t ks1, const int64_t* idx, int64_t j0, int64_t nv,
+template <int NH, int NK, typename KV>
+inline void scores(const float* const* qr, const KV* kb, int64_t ks1, const int64_t* idx, int64_t j0, int64_t nv,
                    float sc, float* const* ps) {
-  const float* kr[NK];
+  const KV* kr[NK];
   __m256 a[NK][NH];
   UNROLL for (int u = 0; u < NK; ++u) {
     kr[u] = kb + idx[j0 + u] * ks1;
@@ -146,7 +155,7 @@ inline void scores(const float* const* qr, const float* kb, int64_t ks1, const i
   }
   for (int64_t c = 0; c < nv; ++c) {
     __m256 kv[NK];
-    UNROLL for (int u = 0; u < NK; ++u) kv[u] = _mm256_loadu_ps(kr[u] + 8 * c);
+    UNROLL for (int u = 0; u < NK; ++u) kv[u] = load8(kr[u] + 8 * c);
     UNROLL for (int g = 0; g < NH; ++g) {
       const __m256 qv = _mm256_loadu_ps(qr[g] + 8 * c);
       UNROLL for (int u = 0; u < NK; ++u) a[u][g] = _mm256_fmadd_ps(qv, kv[u], a[u][g]);
@@ -157,16 +166,16 @@ inline void scores(const float* const* qr, const float* kb, int64_t ks1, const i
 }
 
 // y_g[8c .. 8c + 8 NC) = (sum_j p_g[j] v_j[..]) * inv_g, j in slot order from zero, for NH heads.
-template <int NH, int NC>
-inline void weighted_values(const float* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
+template <int NH, int NC, typename KV>
+inline void weighted_values(const KV* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
                             float* const* ps, const float* inv, float* const* y) {
   __m256 acc[NH][NC];
   UNROLL for (int g = 0; g < NH; ++g)
     UNROLL for (int e = 0; e < NC; ++e) acc[g][e] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = vb + idx[j] * vs1 + 8 * c;
+    const KV* vr = vb + idx[j] * vs1 + 8 * c;
     __m256 vv[NC];
-    UNROLL for (int e = 0; e < NC; ++e) vv[e] = _mm256_loadu_ps(vr + 8 * e);
+    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr + 8 * e);
     UNROLL for (int g = 0; g < NH; ++g) {
       const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
       UNROLL for (int e = 0; e < NC; ++e) acc[g][e] = _mm256_fmadd_ps(pj, vv[e], acc[g][e]);
@@ -202,8 +211,8 @@ inline float softmax_inplace(float* p, int64_t n) {
   return 1.0f / sum;
 }
 
-template <int NH>
-void attend_heads_n(const float* const* qr, const float* kb, int64_t ks1, const float* vb, int64_t vs1,
+template <int NH, typename KV>
+void attend_heads_n(const float* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
                     const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y) {
   int64_t j0 = 0;
   for (; j0 + KEYS <= n; j0 += KEYS) scores<NH, KEYS>(qr, kb, ks1, idx, j0, nv, sc, ps);
@@ -216,7 +225,8 @@ void attend_heads_n(const float* const* qr, const float* kb, int64_t ks1, const 
 }
 
 // Attention of nh (<= HEADS) query heads of one row over the n slots idx of their kv head.
-inline void attend_heads(int nh, const float* const* qr, const float* kb, int64_t ks1, const float* vb, int64_t vs1,
+template <typename KV>
+inline void attend_heads(int nh, const float* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
                          const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y) {
   switch (nh) {
     case 1: attend_heads_n<1>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
@@ -228,67 +238,26 @@ inline void attend_heads(int nh, const float* const* qr, const float* kb, int64_
   }
 }
 
-// q [Hq, T, D] (unit last stride), k/v [Hkv, >= end, D] (unit last stride; views of the cache),
-// chain rows: row i sees slots lo_i .. start + i (lo_i = 0, or the last `window` slots);
-// tree rows (slots defined): row i sees slots[offsets[i] .. offsets[i+1]) in that order.
-// Returns [T, Hq * D].
-// k_new / v_new [Hkv, T, D] (optional): this pass's keys and values, first written into slots
-// start .. start + T - 1 of k / v (then the cache of one layer); the rows see slots below start + T.
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
-                     int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
-                     const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
-                     const c10::optional<torch::Tensor>& v_new) {
-  auto f32_3d = [](const torch::Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1;
-  };
-  TORCH_CHECK(f32_3d(q) && f32_3d(k) && f32_3d(v), "q, k, v must be CPU float32 [heads, n, D] with unit last stride");
+// Store D floats into the cache: as is, or rounded to fp16 (nearest even, as torch's .half()).
+inline void store_row(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+inline void store_row(uint16_t* dst, const float* src, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The rows' attention over a cache of element type KV (float, or fp16 bits as uint16_t).
+template <typename KV>
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, int64_t window,
+                 float sc, bool tree, const int64_t* sp, const int64_t* op, torch::Tensor& out) {
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0);
-  TORCH_CHECK(D % 8 == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && Hkv > 0 && Hq % Hkv == 0,
-              "head dims must match (D a multiple of 8) and query heads be a multiple of kv heads");
-  int64_t S = std::min(k.size(1), v.size(1));
-  const bool write = k_new.has_value() && k_new->defined();
-  if (write) {
-    TORCH_CHECK(v_new.has_value() && v_new->defined(), "k_new needs v_new");
-    const torch::Tensor& kn = *k_new;
-    const torch::Tensor& vn = *v_new;
-    TORCH_CHECK(f32_3d(kn) && f32_3d(vn) && kn.size(0) == Hkv && vn.size(0) == Hkv && kn.size(1) == T &&
-                    vn.size(1) == T && kn.size(2) == D && vn.size(2) == D,
-                "k_new / v_new must be CPU float32 [kv heads, T, D] with unit last stride");
-    TORCH_CHECK(start >= 0 && start + T <= S, "the new keys reach past the cache");
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        std::memcpy(k.data_ptr<float>() + h * k.stride(0) + (start + t) * k.stride(1),
-                    kn.data_ptr<float>() + h * kn.stride(0) + t * kn.stride(1), D * sizeof(float));
-        std::memcpy(v.data_ptr<float>() + h * v.stride(0) + (start + t) * v.stride(1),
-                    vn.data_ptr<float>() + h * vn.stride(0) + t * vn.stride(1), D * sizeof(float));
-      }
-    S = start + T;
-  }
-  const bool tree = slots.has_value() && slots->defined();
-  const int64_t* sp = nullptr;
-  const int64_t* op = nullptr;
-  torch::Tensor sl, of;
-  if (tree) {
-    TORCH_CHECK(offsets.has_value() && offsets->defined(), "tree rows need offsets");
-    sl = slots->contiguous();
-    of = offsets->contiguous();
-    TORCH_CHECK(sl.scalar_type() == torch::kInt64 && of.scalar_type() == torch::kInt64 && of.numel() == T + 1,
-                "slots / offsets must be int64, offsets [T + 1]");
-    sp = sl.data_ptr<int64_t>();
-    op = of.data_ptr<int64_t>();
-    for (int64_t i = 0; i < sl.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "slot ", sp[i], " out of range");
-    for (int64_t i = 0; i < T; ++i) TORCH_CHECK(op[i] <= op[i + 1] && op[i + 1] <= sl.numel(), "bad offsets");
-  } else {
-    TORCH_CHECK(start >= 0 && start + T <= S, "rows reach past the keys");
-  }
-  auto out = torch::empty({T, Hq * D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const KV* kp = static_cast<const KV*>(k.data_ptr());
+  const KV* vp = static_cast<const KV*>(v.data_ptr());
   float* yp = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), group = Hq / Hkv, nv = D / 8;
-  const float sc = static_cast<float>(scale);
+  const int64_t S = std::min(k.size(1), v.size(1));
   // one work item per (row, kv head): the group's query heads share every key and value load
   const int64_t work = T * Hkv;
   // threads only when there is enough work to pay for waking them
@@ -326,10 +295,90 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
           ps[g] = p.data() + g * (n + 8);
           y[g] = yp + i * Hq * D + (h0 + g) * D;
         }
-        attend_heads(nh, qr, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx.data(), n, nv, sc, ps, y);
+        attend_heads<KV>(nh, qr, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx.data(), n, nv, sc, ps, y);
       }
     }
   }
+}
+
+template <typename KV>
+void write_rows(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& kn, const torch::Tensor& vn, int64_t start) {
+  const int64_t Hkv = k.size(0), T = kn.size(1), D = k.size(2);
+  KV* kp = static_cast<KV*>(k.data_ptr());
+  KV* vp = static_cast<KV*>(v.data_ptr());
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t t = 0; t < T; ++t) {
+      store_row(kp + h * k.stride(0) + (start + t) * k.stride(1), kn.data_ptr<float>() + h * kn.stride(0) + t * kn.stride(1), D);
+      store_row(vp + h * v.stride(0) + (start + t) * v.stride(1), vn.data_ptr<float>() + h * vn.stride(0) + t * vn.stride(1), D);
+    }
+}
+
+// q [Hq, T, D] float32 (unit last stride), k/v [Hkv, >= end, D] float32 or float16 (unit last
+// stride; views of the cache): every key and value is widened to fp32 exactly, so an fp16 cache
+// changes what is stored, never how a row is computed from it.
+// chain rows: row i sees slots lo_i .. start + i (lo_i = 0, or the last `window` slots);
+// tree rows (slots defined): row i sees slots[offsets[i] .. offsets[i+1]) in that order.
+// Returns [T, Hq * D].
+// k_new / v_new [Hkv, T, D] float32 (optional): this pass's keys and values, first written into
+// slots start .. start + T - 1 of k / v (rounded to the cache's type); the rows see slots below start + T.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                     int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
+                     const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
+                     const c10::optional<torch::Tensor>& v_new) {
+  auto f32_3d = [](const torch::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1;
+  };
+  auto cache_3d = [](const torch::Tensor& t) {
+    return t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kHalf) &&
+           t.dim() == 3 && t.stride(2) == 1;
+  };
+  TORCH_CHECK(f32_3d(q) && cache_3d(k) && cache_3d(v) && k.scalar_type() == v.scalar_type(),
+              "q must be CPU float32 and k, v CPU float32 or float16 (one type) [heads, n, D] with unit last stride");
+  const bool half = k.scalar_type() == torch::kHalf;
+  const int64_t T = q.size(1), D = q.size(2), Hkv = k.size(0), Hq = q.size(0);
+  TORCH_CHECK(D % 8 == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && Hkv > 0 && Hq % Hkv == 0,
+              "head dims must match (D a multiple of 8) and query heads be a multiple of kv heads");
+  int64_t S = std::min(k.size(1), v.size(1));
+  const bool write = k_new.has_value() && k_new->defined();
+  torch::Tensor kw = k, vw = v;
+  if (write) {
+    TORCH_CHECK(v_new.has_value() && v_new->defined(), "k_new needs v_new");
+    const torch::Tensor& kn = *k_new;
+    const torch::Tensor& vn = *v_new;
+    TORCH_CHECK(f32_3d(kn) && f32_3d(vn) && kn.size(0) == Hkv && vn.size(0) == Hkv && kn.size(1) == T &&
+                    vn.size(1) == T && kn.size(2) == D && vn.size(2) == D,
+                "k_new / v_new must be CPU float32 [kv heads, T, D] with unit last stride");
+    TORCH_CHECK(start >= 0 && start + T <= S, "the new keys reach past the cache");
+    if (half)
+      write_rows<uint16_t>(kw, vw, kn, vn, start);
+    else
+      write_rows<float>(kw, vw, kn, vn, start);
+    S = start + T;
+  }
+  const bool tree = slots.has_value() && slots->defined();
+  const int64_t* sp = nullptr;
+  const int64_t* op = nullptr;
+  torch::Tensor sl, of;
+  if (tree) {
+    TORCH_CHECK(offsets.has_value() && offsets->defined(), "tree rows need offsets");
+    sl = slots->contiguous();
+    of = offsets->contiguous();
+    TORCH_CHECK(sl.scalar_type() == torch::kInt64 && of.scalar_type() == torch::kInt64 && of.numel() == T + 1,
+                "slots / offsets must be int64, offsets [T + 1]");
+    sp = sl.data_ptr<int64_t>();
+    op = of.data_ptr<int64_t>();
+    for (int64_t i = 0; i < sl.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "slot ", sp[i], " out of range");
+    for (int64_t i = 0; i < T; ++i) TORCH_CHECK(op[i] <= op[i + 1] && op[i + 1] <= sl.numel(), "bad offsets");
+  } else {
+    TORCH_CHECK(start >= 0 && start + T <= S, "rows reach past the keys");
+  }
+  auto out = torch::empty({T, Hq * D}, q.options());
+  // the rows see slots below S only (the new keys' end when writing)
+  const torch::Tensor kr = k.narrow(1, 0, S), vr = v.narrow(1, 0, S);
+  if (half)
+    attend_rows<uint16_t>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
+  else
+    attend_rows<float>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
   return out;
 }
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from quickdraft import zoo
-from quickdraft.config import DTYPE_CHOICES, ModelConfig
+from quickdraft.config import DTYPE_CHOICES, KV_DTYPE_CHOICES, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading import gguf as gguf_io
 from quickdraft.loading import prepared
@@ -77,16 +77,21 @@ def _hub_download(repo_id: str) -> Path:
 
 
 def load_model(
-    spec: str, dtype: str = "auto", device: str = "cpu", max_context: int | None = None
+    spec: str, dtype: str = "auto", device: str = "cpu", max_context: int | None = None, kv_dtype: str = "auto"
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
     dtype "auto": a GGUF model keeps its quantized blocks (computed on by the CPU kernels, fp32
     activations) where the kernels are available, else bfloat16; "float32" is the exact
     reference mode used by tests; "bfloat16" / "float16" dequantize into that dtype.
+    kv_dtype "auto": float16 keys and values where the CPU kernels run the model (half the memory
+    and bandwidth of fp32; every pass reads them the same way, so speculation stays lossless),
+    else the activation dtype; or "float32" / "float16" / "bfloat16" explicitly.
     """
     if dtype not in DTYPE_CHOICES:
         raise QuickdraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise QuickdraftError(f"unknown KV cache dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_CHOICES)}")
     t0 = time.perf_counter()
     path = resolve(spec)
     quantized = dtype == "auto" and path.is_file() and _kernels_available(device)
@@ -118,6 +123,7 @@ def load_model(
         model = build_model(cfg, max_len)
     assert isinstance(model, CausalLM)
     model.materialize(device, DTYPES[dtype])
+    model.kv_dtype = torch.float16 if kv_dtype == "auto" and quantized else DTYPES.get(kv_dtype)
     convert = getattr(model, "convert_checkpoint", None)  # MoE models: expert layouts and names
     if convert is not None:
         tensors = convert(tensors)

@@ -66,6 +66,9 @@ def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     return [m(x) for m in modules]
 
 
+_NATIVE_KV = (torch.float32, torch.float16)  # cache types the native attention reads
+
+
 def _fused_ops(x: torch.Tensor, param: torch.Tensor):  # noqa: ANN202 (the compiled module)
     """The native kernels' fused ops (``rms_norm``, ``rope``) when they apply to ``x``: fp32 CPU
     tensors outside autograd (inference passes; training takes the differentiable torch path),
@@ -279,7 +282,7 @@ class Attention(nn.Module):
             n = step.mask.shape[1]
             out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
             return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
-        if t <= BLOCKED_MAX_ROWS and (ops := _fused_ops(q, cache.k)) is not None:
+        if t <= BLOCKED_MAX_ROWS and cache.k.dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
             # decode / verify rows: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)
             attended = ops.attend(
@@ -297,6 +300,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache under fp32 activations: widened exactly
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=mask, scale=self.scale, enable_gqa=self.nkv != self.nh,

@@ -52,7 +52,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.max_len = max_len
-        self.dtype = torch.float32  # activation and KV cache dtype (set by materialize)
+        self.dtype = torch.float32  # activation dtype (set by materialize)
+        self.kv_dtype: torch.dtype | None = None  # KV cache element type; None: self.dtype
         self.device = torch.device("cpu")
         self.model: Any = self.backbone(cfg, max_len)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -77,7 +78,8 @@ class CausalLM(nn.Module):
 
     def make_cache(self, max_len: int) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype, self.device)
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
+                       self.device)
 
     @torch.inference_mode()
     def forward(

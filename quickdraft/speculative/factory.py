@@ -97,12 +97,13 @@ def parse_num_draft(text: str) -> int | None:
 
 
 def build_drafter(
-    cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None] = lambda _m: None
+    cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None] = lambda _m: None,
+    kv_dtype: str = "auto",
 ) -> tuple[Drafter | None, int]:
     """The drafter for ``cfg`` and the k the engine should offer it per step (0 = plain)."""
     if cfg.draft == "none":
         return None, 0
-    base = _base_drafters(cfg, target, dtype, say)
+    base = _base_drafters(cfg, target, dtype, say, kv_dtype)
     if not base:
         return None, 0
     if cfg.num_draft is not None and len(base) == 1:
@@ -121,7 +122,7 @@ def build_drafter(
 
 
 def _base_drafters(
-    cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None]
+    cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None], kv_dtype: str = "auto"
 ) -> list[tuple[Drafter, float, float, TargetCost | None]]:
     """(drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or
     None) for each drafter in play."""
@@ -141,7 +142,8 @@ def _base_drafters(
         spec = cfg.draft if cfg.draft != "auto" else _default_draft(target)
     if spec is not None:
         say(f"loading draft model {spec} ...")
-        draft = load_model(spec, dtype=dtype, device=str(target.model.device), max_context=target.model.max_len)
+        draft = load_model(spec, dtype=dtype, device=str(target.model.device), max_context=target.model.max_len,
+                           kv_dtype=kv_dtype)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
         vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
         if vocab is not None:

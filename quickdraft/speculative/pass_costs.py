@@ -45,7 +45,8 @@ def cost_key(loaded: LoadedModel, rows: tuple[int, ...], variant: str = "") -> s
     build = f"{kernels.build_name()}/{kernels.isa()}" if active_kernels() is not None else "reference"
     device = loaded.model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    return "|".join([where, ident, build, f"threads={torch.get_num_threads()}", str(loaded.model.dtype),
+    kv = loaded.model.kv_dtype or loaded.model.dtype
+    return "|".join([where, ident, build, f"threads={torch.get_num_threads()}", str(loaded.model.dtype), f"kv={kv}",
                      f"rows={','.join(map(str, rows))}", variant])
 
 
