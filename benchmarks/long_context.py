@@ -83,7 +83,7 @@ def measure(args: argparse.Namespace, kv: str) -> list[dict[str, object]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 16384, 32768])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 16384, 32000])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 64])
     ap.add_argument("--kv-dtype", nargs="+", default=["float16"])
     ap.add_argument("--repeats", type=int, default=5)

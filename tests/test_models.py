@@ -9,6 +9,7 @@ permutation and the generation loop against transformers' own GGUF loader.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # head_dim 16: a ramp
+
 # name -> (model_type, config overrides)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -41,6 +44,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-padded-vocab": ("llama", {"vocab_size": 384}),
     "qwen2": ("qwen2", {"num_hidden_layers": 3}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2-rope-yarn": ("qwen2", {"rope_scaling": YARN_ROPE}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
@@ -125,6 +129,28 @@ def test_config_variants_are_what_they_claim(tiny: Any) -> None:
     )
     m = tiny("llama-tied").model
     assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+
+
+def test_yarn_changes_the_logits_and_extends_the_context(tiny: Any) -> None:
+    """The YaRN case differs from plain RoPE (frequencies and the cos/sin scale), and a YaRN config
+    allows factor x its original length (Qwen2.5's 32k config with factor 4: 128k), no more."""
+    import dataclasses
+
+    from quickdraft.loading.load import _context_length
+    from quickdraft.models.layers import rope_attention_factor, rope_inv_freq
+
+    cfg = tiny("qwen2-rope-yarn").loaded.config
+    assert cfg.rope_scaling["rope_type"] == "yarn"
+    plain = dataclasses.replace(cfg, rope_scaling=None)
+    assert not torch.equal(rope_inv_freq(cfg), rope_inv_freq(plain))
+    assert rope_attention_factor(cfg) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    long = dataclasses.replace(cfg, max_position_embeddings=32768,
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32768})
+    assert _context_length(long, 131072) == 131072
+    with pytest.raises(QuickdraftError, match="exceeds what this model supports"):
+        _context_length(long, 131073)
+    assert _context_length(plain, None) <= plain.max_position_embeddings
 
 
 def test_llama3_rope_scaling_changes_the_logits(tiny: Any) -> None:

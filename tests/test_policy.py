@@ -3,6 +3,7 @@ AutoDrafter driving real generation (whatever it decides, greedy output stays pl
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -57,12 +58,56 @@ def test_target_cost_observe_is_an_ema_and_adds_new_counts() -> None:
     cost = TargetCost({1: 1.0, 4: 2.0})
     cost.observe(1, 2.0)
     assert cost(1) == pytest.approx((1 - EMA) * 1.0 + EMA * 2.0)
-    cost.observe(2, 5.0)  # a row count never measured is taken as is
+    cost.observe(2, 5.0)  # a row count never measured is taken as is ...
     assert cost.seconds[2] == 5.0
-    assert cost(2) == 5.0 and cost(3) == pytest.approx(3.5)
+    assert cost(2) == 5.0 and cost(4) == 5.0 and cost(3) == 5.0  # ... and more rows never cost less
     for _ in range(200):  # repeated observations converge to the new value
         cost.observe(4, 0.5)
     assert cost(4) == pytest.approx(0.5)
+    assert cost(1) <= cost(2) <= cost(4)  # an inflated 1- or 2-row cost is pulled down with it
+
+
+def test_target_cost_adds_attention_for_the_context() -> None:
+    cost = TargetCost({1: 1.0, 8: 2.0}, per_key=(1e-4, 1e-5))
+    assert cost(1) == 1.0 and cost(8) == 2.0  # no context yet
+    cost.context = 10_000
+    assert cost(1) == pytest.approx(1.0 + 10_000 * (1e-4 + 1e-5))
+    assert cost(8) == pytest.approx(2.0 + 10_000 * (1e-4 + 8e-5))
+    for _ in range(300):  # a pass observed at this context updates the short-context part only
+        cost.observe(8, 2.5 + 10_000 * (1e-4 + 8e-5))
+    assert cost.seconds[8] == pytest.approx(2.5)
+    cost.context = 0
+    assert cost(8) == pytest.approx(2.5)
+
+
+def test_auto_drafter_knows_the_context_and_stops_paying_at_long_ones() -> None:
+    """The cost curves follow the prompt and the committed tokens; a drafter that pays over a short
+    context (verification ~ as cheap as a decode) is not used where attention makes each verified
+    row cost as much as a plain step (so auto is never slower than plain at long contexts)."""
+    cost = TargetCost({1: 0.030, 2: 0.031, 4: 0.032, 8: 0.034, 16: 0.040}, per_key=(0.0, 1e-5))
+    draft = Candidate(EchoDrafter(list(range(100))), Acceptance(0.5, 8), 0.004, cheap=False,
+                      pass_cost=TargetCost({1: 0.004, 2: 0.005}))
+    auto = AutoDrafter([draft], cost)
+    auto.prefill(torch.arange(100), SamplingParams())
+    assert cost.context == 100 and draft.pass_cost is not None and draft.pass_cost.context == 100
+    assert auto._choose(4)[1].k > 0  # short context: drafting pays
+    auto.commit(torch.tensor([5, 6]), 1)
+    auto._set_context()
+    assert cost.context == 102
+    auto.prefill(torch.arange(20_000), SamplingParams())
+    assert auto._choose(4)[1].k == 0  # 20k tokens: every extra row costs 0.2 s of attention
+
+
+def test_measure_attention_per_key(tmp_path: Path) -> None:
+    from quickdraft.speculative.policy import measure_attention_per_key
+
+    loaded = load_model(str(make_tiny_hf_model(tmp_path, "llama", seed=1)), dtype="float32", max_context=512)
+    cache_before = loaded.model.make_cache(4).k.shape
+    a, b = measure_attention_per_key(loaded.model, repeats=1)
+    assert math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0  # (timings: not asserted larger)
+    assert loaded.model.make_cache(4).k.shape == cache_before
+    short = load_model(str(make_tiny_hf_model(tmp_path / "s", "llama", seed=1)), dtype="float32", max_context=128)
+    assert measure_attention_per_key(short.model) == (0.0, 0.0)  # never a long context
 
 
 def test_measure_pass_seconds_gives_positive_costs(tmp_path: Path) -> None:
@@ -84,6 +129,9 @@ def test_pass_costs_are_kept_between_starts(tmp_path: Path) -> None:
     said: list[str] = []
     first = pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store)
     assert len(said) == 1 and "first run" in said[0] and store.exists()
+    [entry] = json.loads(store.read_text()).values()
+    assert len(entry["per_key"]) == 2  # attention per cached token, kept with the passes
+    assert pass_costs.pass_cost_model(loaded, (1, 2), said.append, path=store).per_key == tuple(entry["per_key"])
     assert pass_costs.pass_seconds(loaded, (1, 2), said.append, path=store) == first  # kept: no measuring
     assert len(said) == 1
     pass_costs.pass_seconds(loaded, (1, 2, 4), said.append, path=store)  # other rows: another entry

@@ -323,6 +323,10 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
         if config.sliding_window:
             w.add_sliding_window(config.sliding_window)
     w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":  # as convert_hf_to_gguf.py writes YaRN configs
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     gguf_tokenizer_metadata(w)

@@ -185,6 +185,28 @@ inline void weighted_values(const KV* vb, int64_t vs1, const int64_t* idx, int64
     UNROLL for (int e = 0; e < NC; ++e) _mm256_storeu_ps(y[g] + 8 * (c + e), _mm256_mul_ps(acc[g][e], _mm256_set1_ps(inv[g])));
 }
 
+// acc_g[8c .. 8c + 8 NC) += sum_j p_g[j] v_j[..] over j = 0 .. n - 1 in order (a tile of a row's
+// slots: the accumulators are loaded from and stored back to memory, so a row cut into tiles runs
+// exactly the FMA chain an uncut row runs).
+template <int NH, int NC, typename KV>
+inline void accumulate_values(const KV* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
+                              const float* const* ps, float* const* acc) {
+  __m256 a[NH][NC];
+  UNROLL for (int g = 0; g < NH; ++g)
+    UNROLL for (int e = 0; e < NC; ++e) a[g][e] = _mm256_loadu_ps(acc[g] + 8 * (c + e));
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* vr = vb + idx[j] * vs1 + 8 * c;
+    __m256 vv[NC];
+    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr + 8 * e);
+    UNROLL for (int g = 0; g < NH; ++g) {
+      const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
+      UNROLL for (int e = 0; e < NC; ++e) a[g][e] = _mm256_fmadd_ps(pj, vv[e], a[g][e]);
+    }
+  }
+  UNROLL for (int g = 0; g < NH; ++g)
+    UNROLL for (int e = 0; e < NC; ++e) _mm256_storeu_ps(acc[g] + 8 * (c + e), a[g][e]);
+}
+
 // softmax(p) in place (p_j = exp(s_j - max), summed in a fixed order: 8 lanes, then the lanes, then
 // the tail); returns 1 / sum.
 inline float softmax_inplace(float* p, int64_t n) {
@@ -224,6 +246,65 @@ void attend_heads_n(const float* const* qr, const KV* kb, int64_t ks1, const KV*
   if (c < nv) weighted_values<NH, 1>(vb, vs1, idx, n, c, ps, inv, y);
 }
 
+// The same attention for a block of rows sharing a kv head, keys and values streamed once per
+// block in tiles of KEY_TILE slots (each row's slots are idx[r][0 .. n[r]); the block's rows reuse
+// a tile from cache instead of each reading every key and value from memory). Per row it runs the
+// FMA chains attend_heads_n runs (scores per (head, key) over D; values per output over the slots
+// in order, tiles only spilling the accumulators), so results are bitwise the unblocked ones.
+constexpr int64_t KEY_TILE = 64;
+constexpr int ROW_BLOCK = 16;
+
+template <int NH, typename KV>
+void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
+                    const int64_t* const* idx, const int64_t* n, int64_t nv, float sc, float* const* const* ps,
+                    float* const* const* acc, float* const* const* y) {
+  int64_t most = 0;
+  for (int r = 0; r < nr; ++r) most = std::max(most, n[r]);
+  for (int64_t t0 = 0; t0 < most; t0 += KEY_TILE) {
+    for (int r = 0; r < nr; ++r) {
+      const int64_t t1 = std::min(n[r], t0 + KEY_TILE);
+      int64_t j0 = t0;
+      for (; j0 + KEYS <= t1; j0 += KEYS) scores<NH, KEYS>(qr[r], kb, ks1, idx[r], j0, nv, sc, ps[r]);
+      for (; j0 < t1; ++j0) scores<NH, 1>(qr[r], kb, ks1, idx[r], j0, nv, sc, ps[r]);
+    }
+  }
+  float inv[HEADS * 64];
+  for (int r = 0; r < nr; ++r) {
+    UNROLL for (int g = 0; g < NH; ++g) inv[r * HEADS + g] = softmax_inplace(ps[r][g], n[r]);
+    for (int g = 0; g < NH; ++g) std::fill(acc[r][g], acc[r][g] + 8 * nv, 0.0f);
+  }
+  for (int64_t t0 = 0; t0 < most; t0 += KEY_TILE) {
+    for (int r = 0; r < nr; ++r) {
+      if (t0 >= n[r]) continue;
+      const int64_t cnt = std::min(n[r], t0 + KEY_TILE) - t0;
+      const float* pt[NH];
+      UNROLL for (int g = 0; g < NH; ++g) pt[g] = ps[r][g] + t0;
+      int64_t c = 0;
+      for (; c + 2 <= nv; c += 2) accumulate_values<NH, 2>(vb, vs1, idx[r] + t0, cnt, c, pt, acc[r]);
+      if (c < nv) accumulate_values<NH, 1>(vb, vs1, idx[r] + t0, cnt, c, pt, acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int g = 0; g < NH; ++g) {
+      const __m256 iv = _mm256_set1_ps(inv[r * HEADS + g]);
+      for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(y[r][g] + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc[r][g] + 8 * c), iv));
+    }
+}
+
+template <typename KV>
+inline void attend_block(int nh, int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb,
+                         int64_t vs1, const int64_t* const* idx, const int64_t* n, int64_t nv, float sc,
+                         float* const* const* ps, float* const* const* acc, float* const* const* y) {
+  switch (nh) {
+    case 1: attend_block_n<1>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+    case 2: attend_block_n<2>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+    case 3: attend_block_n<3>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+    case 4: attend_block_n<4>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+    case 5: attend_block_n<5>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+    default: attend_block_n<6>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+  }
+}
+
 // Attention of nh (<= HEADS) query heads of one row over the n slots idx of their kv head.
 template <typename KV>
 inline void attend_heads(int nh, const float* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
@@ -258,44 +339,78 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), group = Hq / Hkv, nv = D / 8;
   const int64_t S = std::min(k.size(1), v.size(1));
-  // one work item per (row, kv head): the group's query heads share every key and value load
-  const int64_t work = T * Hkv;
+  // one work item per (kv head, block of up to ROW_BLOCK rows): the group's query heads and the
+  // block's rows share every key and value load
+  const int64_t blocks = (T + ROW_BLOCK - 1) / ROW_BLOCK, work = Hkv * blocks;
   // threads only when there is enough work to pay for waking them
-  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, work * group * S / 1024)));
+  const int nt = static_cast<int>(std::min<int64_t>({at::get_num_threads(), work,
+                                                      std::max<int64_t>(1, T * Hkv * group * S / 1024)}));
   pybind11::gil_scoped_release nogil;
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(std::max(nt, 1))
   {
-    std::vector<float> p;
-    std::vector<int64_t> idx;
+    std::vector<float> p, acc;
+    std::vector<std::vector<int64_t>> idx(ROW_BLOCK);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
-      const int64_t i = w / Hkv, kh = w % Hkv;
-      // the slots row i sees, in slot order
-      idx.clear();
-      if (tree) {
-        idx.assign(sp + op[i], sp + op[i + 1]);
-      } else {
-        const int64_t end = start + i + 1;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-        for (int64_t j = lo; j < end; ++j) idx.push_back(j);
+      const int64_t kh = w / blocks, i0 = (w % blocks) * ROW_BLOCK, i1 = std::min(T, i0 + ROW_BLOCK);
+      const int nr = static_cast<int>(i1 - i0);
+      int64_t n[ROW_BLOCK];
+      int64_t total = 0;
+      for (int r = 0; r < nr; ++r) {  // the slots row i0 + r sees, in slot order
+        const int64_t i = i0 + r;
+        auto& ix = idx[r];
+        ix.clear();
+        if (tree) {
+          ix.assign(sp + op[i], sp + op[i + 1]);
+        } else {
+          const int64_t end = start + i + 1;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+          for (int64_t j = lo; j < end; ++j) ix.push_back(j);
+        }
+        n[r] = static_cast<int64_t>(ix.size());
+        total += n[r] + 8;
       }
-      const int64_t n = static_cast<int64_t>(idx.size());
+      p.resize(HEADS * total);
+      acc.resize(static_cast<size_t>(ROW_BLOCK) * HEADS * D);
       for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += HEADS) {
         const int nh = static_cast<int>(std::min<int64_t>(HEADS, (kh + 1) * group - h0));
-        if (n == 0) {
-          for (int g = 0; g < nh; ++g) std::fill(yp + i * Hq * D + (h0 + g) * D, yp + i * Hq * D + (h0 + g + 1) * D, 0.0f);
-          continue;
+        const float* qrow[ROW_BLOCK][HEADS];
+        float* ps[ROW_BLOCK][HEADS];
+        float* ac[ROW_BLOCK][HEADS];
+        float* y[ROW_BLOCK][HEADS];
+        const float* const* qr_r[ROW_BLOCK];
+        float* const* ps_r[ROW_BLOCK];
+        float* const* ac_r[ROW_BLOCK];
+        float* const* y_r[ROW_BLOCK];
+        const int64_t* idx_r[ROW_BLOCK];
+        int live = 0;  // rows that see at least one slot
+        int64_t off = 0, nl[ROW_BLOCK];
+        for (int r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r;
+          if (n[r] == 0) {
+            for (int g = 0; g < nh; ++g) std::fill(yp + i * Hq * D + (h0 + g) * D, yp + i * Hq * D + (h0 + g + 1) * D, 0.0f);
+            continue;
+          }
+          for (int g = 0; g < nh; ++g) {
+            qrow[live][g] = qp + (h0 + g) * qs0 + i * qs1;
+            ps[live][g] = p.data() + off + g * (n[r] + 8);
+            ac[live][g] = acc.data() + (static_cast<int64_t>(live) * HEADS + g) * D;
+            y[live][g] = yp + i * Hq * D + (h0 + g) * D;
+          }
+          off += HEADS * (n[r] + 8);
+          qr_r[live] = qrow[live];
+          ps_r[live] = ps[live];
+          ac_r[live] = ac[live];
+          y_r[live] = y[live];
+          idx_r[live] = idx[r].data();
+          nl[live] = n[r];
+          ++live;
         }
-        p.resize(HEADS * (n + 8));
-        const float* qr[HEADS];
-        float* ps[HEADS];
-        float* y[HEADS];
-        for (int g = 0; g < nh; ++g) {
-          qr[g] = qp + (h0 + g) * qs0 + i * qs1;
-          ps[g] = p.data() + g * (n + 8);
-          y[g] = yp + i * Hq * D + (h0 + g) * D;
+        if (live == 1) {  // one row (a decode step): no tiles needed
+          attend_heads<KV>(nh, qr_r[0], kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r[0], nl[0], nv, sc, ps[0], y[0]);
+        } else if (live > 1) {
+          attend_block<KV>(nh, live, qr_r, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r, nl, nv, sc, ps_r, ac_r, y_r);
         }
-        attend_heads<KV>(nh, qr, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx.data(), n, nv, sc, ps, y);
       }
     }
   }

@@ -108,6 +108,12 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") in ("linear",):
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif meta.get(f"{arch}.rope.scaling.type") == "yarn":  # llama.cpp's keys for transformers' fields
+        scaling = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
+        for key, field in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if meta.get(f"{arch}.{key}") is not None:
+                scaling[field] = float(meta[f"{arch}.{key}"])
     cfg = ModelConfig(
         model_type=ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens)),

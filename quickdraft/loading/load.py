@@ -184,6 +184,12 @@ def save_converted(model: CausalLM, cfg: ModelConfig, dest: Path) -> None:
 
 def _context_length(cfg: ModelConfig, requested: int | None) -> int:
     limit = cfg.max_position_embeddings
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":  # e.g. Qwen2.5's 32k config with factor 4: 128k
+        from quickdraft.models.layers import yarn_factors
+
+        factor, original = yarn_factors(cfg, scaling)
+        limit = max(limit, int(factor * original))
     if cfg.sliding_window and cfg.layer_types is None:  # with layer_types the window is computed
         limit = min(limit, cfg.sliding_window)
     if requested is None:

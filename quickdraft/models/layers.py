@@ -133,11 +133,61 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv = _llama3_scale(inv, scaling)
     elif kind == "freq_factors":  # GGUF's rope_freqs tensor: llama.cpp divides each frequency
         inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, dim, cfg, scaling)
     elif kind != "default":
         from quickdraft.errors import QuickdraftError
 
-        raise QuickdraftError(f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+        raise QuickdraftError(
+            f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3, yarn)"
+        )
     return inv.float()
+
+
+def yarn_factors(cfg: ModelConfig, scaling: dict) -> tuple[float, int]:
+    """(factor, original context length) of a YaRN config, as transformers resolves them."""
+    original = int(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = scaling.get("factor")
+    return (float(factor) if factor is not None else cfg.max_position_embeddings / original), original
+
+
+def _yarn_inv_freq(inv: torch.Tensor, dim: int, cfg: ModelConfig, s: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: frequencies that rotate fewer than
+    beta_slow times over the original context are interpolated (divided by the factor), those
+    rotating more than beta_fast times kept, a linear ramp between."""
+    factor, original = yarn_factors(cfg, s)
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+    base = cfg.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    return (inv / factor) * (1 - extrapolation) + inv * extrapolation
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are scaled by: 1, or YaRN's attention factor (0.1 ln(factor) + 1 by default)."""
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor, _ = yarn_factors(cfg, s)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(factor, float(s["mscale"])) / mscale(factor, float(s["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -172,7 +222,10 @@ class Rope(nn.Module):
             return
         freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device="cpu"), inv)  # [S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        cos, sin = emb.cos(), emb.sin()
+        if (scale := rope_attention_factor(self.cfg)) != 1.0:  # YaRN scales both
+            cos, sin = cos * scale, sin * scale
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [heads, T, D]; positions [T]

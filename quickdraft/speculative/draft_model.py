@@ -153,6 +153,11 @@ class DraftModelDrafter:
         self.cache.truncate(n)
         del self.slot_tokens[n:], self.slot_positions[n:]
 
+    @property
+    def context_length(self) -> int:
+        """Tokens in this model's own cache (what its passes attend over)."""
+        return self.cache.length
+
     def snapshot(self) -> tuple[tuple[Tensor, Tensor], list[int], list[int]]:
         n = self.cache.length
         return self.cache.snapshot(n), self.slot_tokens[:n], self.slot_positions[:n]

@@ -29,7 +29,7 @@ from quickdraft.speculative.draft_model import (
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
 from quickdraft.speculative.ngram import NGramDrafter
-from quickdraft.speculative.pass_costs import pass_seconds
+from quickdraft.speculative.pass_costs import pass_cost_model
 from quickdraft.speculative.policy import (
     Acceptance,
     AutoDrafter,
@@ -110,7 +110,7 @@ def build_drafter(
         return base[0][0], cfg.num_draft  # fixed k, one drafter: no policy needed
     eagles = [d for d, _, _, _ in base if isinstance(d, Eagle3Drafter)]
     rows = cost_rows(target.model.device) if eagles else (1, 2, 4, 8)
-    cost = TargetCost(pass_seconds(target, rows, say))
+    cost = pass_cost_model(target, rows, say)
     # An EAGLE-3 drafter sizes its own trees each step (its proposal is previewed like n-gram's,
     # cheap=True) from the same pass costs, which the AutoDrafter observes for both.
     max_k = max([MAX_AUTO_K, *(d.shape.max_nodes for d in eagles)])
@@ -152,7 +152,7 @@ def _base_drafters(
         # which must not land in the first request's time to first token (nor in a kept cost)
         draft.model(torch.zeros(1, dtype=torch.long, device=draft.model.device), draft.model.make_cache(1))
         rows = tuple(r for r in (1, 2, 4, 8, 16) if r <= MAX_CATCH_UP)  # the catch-ups it may run
-        curve = TargetCost(pass_seconds(draft, rows, say, variant=f"draft-vocab={cfg.draft_vocab}"))
+        curve = pass_cost_model(draft, rows, say, variant=f"draft-vocab={cfg.draft_vocab}")
         per_token = curve(1)
         # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
         # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
@@ -240,6 +240,6 @@ def build_eagle3_drafter(
     shape = default_shape(target.model.device)
     if num_draft is not None:
         shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))
-    cost = TargetCost(pass_seconds(target, cost_rows(target.model.device), say)) if standalone else None
+    cost = pass_cost_model(target, cost_rows(target.model.device), say) if standalone else None
     return Eagle3Drafter(head, target.model, mode=mode, shape=shape, cost=cost, policy=num_draft is None)
 

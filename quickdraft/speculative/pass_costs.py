@@ -24,7 +24,11 @@ import torch
 from quickdraft import zoo
 from quickdraft.hardware import cpu_model
 from quickdraft.loading.load import LoadedModel
-from quickdraft.speculative.policy import measure_pass_seconds
+from quickdraft.speculative.policy import (
+    TargetCost,
+    measure_attention_per_key,
+    measure_pass_seconds,
+)
 
 MAX_AGE_DAYS = 30
 MAX_ENTRIES = 64  # the most recently measured are kept (tests and experiments add many)
@@ -63,8 +67,12 @@ def _read(path: Path) -> tuple[dict[str, dict], str | None]:
     return data, None
 
 
-def _valid(entry: object, rows: tuple[int, ...]) -> dict[int, float] | None:
+def _valid(entry: object, rows: tuple[int, ...]) -> tuple[dict[int, float], tuple[float, float]] | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), dict):
+        return None
+    per_key = entry.get("per_key")  # entries from before context-length costs have none
+    if (not isinstance(per_key, list) or len(per_key) != 2
+            or not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in per_key)):
         return None
     if time.time() - float(entry.get("measured", 0)) > MAX_AGE_DAYS * 86400:
         return None
@@ -74,14 +82,30 @@ def _valid(entry: object, rows: tuple[int, ...]) -> dict[int, float] | None:
         return None
     if sorted(out) != sorted(rows) or not all(math.isfinite(s) and s > 0 for s in out.values()):
         return None
-    return out
+    return out, (float(per_key[0]), float(per_key[1]))
 
 
 def pass_seconds(
     loaded: LoadedModel, rows: tuple[int, ...], say: Callable[[str], None], variant: str = "",
     path: Path | None = None,
 ) -> dict[int, float]:
-    """``loaded``'s pass seconds by row count: kept from an earlier start, else measured now."""
+    """``loaded``'s pass seconds by row count over a short context (see :func:`pass_cost_model`)."""
+    return _kept_or_measured(loaded, rows, say, variant, path)[0]
+
+
+def pass_cost_model(
+    loaded: LoadedModel, rows: tuple[int, ...], say: Callable[[str], None], variant: str = "",
+    path: Path | None = None,
+) -> TargetCost:
+    """``loaded``'s pass costs by row count and context length: kept from an earlier start, else
+    measured now."""
+    seconds, per_key = _kept_or_measured(loaded, rows, say, variant, path)
+    return TargetCost(seconds, per_key)
+
+
+def _kept_or_measured(
+    loaded: LoadedModel, rows: tuple[int, ...], say: Callable[[str], None], variant: str, path: Path | None
+) -> tuple[dict[int, float], tuple[float, float]]:
     path = path or zoo.cache_dir() / FILE_NAME
     key = cost_key(loaded, rows, variant)
     entries, problem = _read(path)
@@ -92,9 +116,11 @@ def pass_seconds(
                       "first run of this model with this machine, kernel build and thread count")
     say(f"measuring the pass costs of {Path(loaded.path).name} for the speculation policy ({why}) ...")
     seconds = measure_pass_seconds(loaded.model, rows=rows)
-    entries[key] = {"measured": time.time(), "seconds": {str(r): s for r, s in seconds.items()}}
+    per_key = measure_attention_per_key(loaded.model)
+    entries[key] = {"measured": time.time(), "seconds": {str(r): s for r, s in seconds.items()},
+                    "per_key": list(per_key)}
     _write(path, entries)
-    return seconds
+    return seconds, per_key
 
 
 def _write(path: Path, entries: dict[str, dict]) -> None:

@@ -34,7 +34,8 @@ from quickdraft.speculative.tree import DraftTree, cut_tree
 from quickdraft.speculative.verify import Draft
 
 EMA = 0.2  # weight of a new observation
-PROBE_EVERY = 8  # steps without using a drafter before a probe step
+PROBE_EVERY = 8  # steps without using a drafter before a probe step ...
+MAX_PROBE_EVERY = 64  # ... doubling after each probe until the drafter pays again, up to this
 PROBE_K = 2
 # A drafter that ends its proposals itself when unsure (a draft model's ``stop_below``) is offered
 # at least this many tokens: the cost model's k is sized for drafts of average confidence, the
@@ -47,11 +48,26 @@ CONFIDENT_K = 6
 
 @dataclass
 class TargetCost:
-    """Seconds of one target pass by row count; linear between measured row counts."""
+    """Seconds of one pass by row count at the current ``context`` length.
+
+    ``seconds``: the passes measured over a short context (linear between measured row counts);
+    ``per_key``: (a, b), the attention a pass adds per cached token, a + b * rows seconds (decode
+    rows read every key and value of the context, so at 16k tokens attention is most of a pass).
+    The owner sets ``context`` before asking; observed passes update the short-context part.
+    """
 
     seconds: dict[int, float]
+    per_key: tuple[float, float] = (0.0, 0.0)
+    context: int = 0
+
+    def attention(self, rows: int) -> float:
+        a, b = self.per_key
+        return self.context * (a + b * rows)
 
     def __call__(self, rows: int) -> float:
+        return self._base(rows) + self.attention(rows)
+
+    def _base(self, rows: int) -> float:
         pts = sorted(self.seconds.items())
         if rows <= pts[0][0]:
             return pts[0][1]
@@ -64,8 +80,17 @@ class TargetCost:
         return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
 
     def observe(self, rows: int, seconds: float) -> None:
+        seconds = max(seconds - self.attention(rows), 0.1 * seconds)  # back to the short-context part
         old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        now = self.seconds[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        # Fewer rows never cost more: a start-up measurement inflated by a busy moment (a 1-row
+        # pass kept at 1.5x its real time made auto draft where plain decoding was faster, and
+        # plain steps, which would correct it, were then rare) is pulled down by what is observed.
+        for r, s in self.seconds.items():
+            if r < rows and s > now:
+                self.seconds[r] = now
+            elif r > rows and s < now:
+                self.seconds[r] = now
 
 
 @dataclass
@@ -100,6 +125,7 @@ class Candidate:
     idle: int = 0  # steps since last used
     extra_seconds: float = 0.0  # measured per-use drafting time beyond the model (picking, syncs, ...)
     pass_cost: TargetCost | None = None  # the drafter's own model's pass seconds by rows (catch-ups)
+    probe_every: int = PROBE_EVERY  # idle steps before the next probe (backs off while it loses)
 
 
 def best_k(cost: TargetCost, cand: Candidate, max_k: int, overhead: float = 0.0) -> tuple[int, float]:
@@ -130,6 +156,7 @@ class AutoDrafter:
         self._k = 0
         self._depth = 0  # how deep the last proposal reaches (= k for a chain)
         self._t_ready = 0.0
+        self._context = 0  # tokens in the target's cache: what a pass's attention reads
         # Feature layers: the union of the candidates', in layer order (see feed).
         self.capture_layers: tuple[int, ...] = tuple(
             sorted({i for c in candidates for i in capture_layers_of(c.drafter)})
@@ -153,6 +180,12 @@ class AutoDrafter:
             c.drafter.feed(torch.cat(cols, dim=-1))  # type: ignore[attr-defined]
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
+        before = [c.pass_cost(1) if c.pass_cost is not None else 0.0 for c in self.candidates]
+        self._context = len(prompt_ids)
+        self._set_context()
+        for c, old in zip(self.candidates, before, strict=True):
+            if c.pass_cost is not None and old > 0:  # a new prompt's length: its one-token pass costs more or less
+                c.seconds_per_token *= c.pass_cost(1) / old
         for c in self.candidates:
             if capture_layers_of(c.drafter):
                 c.drafter.prefill(prompt_ids, params, cached=cached)  # type: ignore[call-arg]
@@ -181,7 +214,15 @@ class AutoDrafter:
         self._t_ready = time.perf_counter()
         return draft
 
+    def _set_context(self) -> None:
+        """Tell the cost curves how long the contexts their passes attend over are now."""
+        self.cost.context = self._context
+        for c in self.candidates:
+            if c.pass_cost is not None:  # a draft model may hold fewer tokens (a windowed prompt read)
+                c.pass_cost.context = int(getattr(c.drafter, "context_length", self._context))
+
     def _choose(self, budget: int) -> tuple[Candidate | None, Draft | DraftTree]:
+        self._set_context()
         best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (1.0 / self.cost(1), None, 0, None)
         free = best  # the best among proposals already made (cheap drafters)
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
@@ -198,7 +239,7 @@ class AutoDrafter:
                 k, rate = limit, estimate(limit) / self.cost(limit + 1)
             else:
                 k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
-            if c.idle > PROBE_EVERY and limit > 0:
+            if c.idle > c.probe_every and limit > 0:
                 stale.append((c.idle, c, min(PROBE_K, limit), preview))
             if k > 0 and rate > best[0]:
                 best = (rate, c, k, preview)
@@ -215,8 +256,14 @@ class AutoDrafter:
             # A plain step is due: probe the stalest drafter instead, so its estimates follow the
             # text (a drafter that looked too costly once is never measured again otherwise). Its
             # catch-up is paid now, but any later use would pay it too.
+            # Each probe of a drafter that keeps losing doubles the wait before the next one: on a
+            # text neither drafter predicts (a summary of a long file), probes every 8 steps cost
+            # 7-15% of plain speed (a failed 3-row verify plus the draft model's catch-up).
             _, c, k, preview = max(stale, key=lambda s: s[0])
             best = (float("inf"), c, k, preview)
+            c.probe_every = min(MAX_PROBE_EVERY, 2 * c.probe_every)
+        elif best[1] is not None:
+            best[1].probe_every = PROBE_EVERY
         _, chosen, k, preview = best
         if chosen is None:
             return None, Draft(tokens=torch.empty(0, dtype=torch.long))
@@ -264,6 +311,7 @@ class AutoDrafter:
         for c in self.candidates:
             c.drafter.commit(tokens, num_accepted if c is self._chosen else 0)
         self._chosen, self._k, self._depth = None, 0, 0
+        self._context += int(tokens.numel())
 
     def reset(self) -> None:
         for c in self.candidates:
@@ -277,20 +325,47 @@ def _cut(draft: Draft | DraftTree, k: int) -> Draft | DraftTree:
     return Draft(tokens=draft.tokens[:k], probs=None if draft.probs is None else draft.probs[:k])
 
 
+ATTENTION_CONTEXT = 2048  # the context length attention is measured at (per key: linear beyond)
+
+
+def measure_attention_per_key(model: CausalLM, repeats: int = 2) -> tuple[float, float]:
+    """(a, b): the seconds a pass of r rows spends per cached token, a + b * r, from 1- and 8-row
+    passes at ATTENTION_CONTEXT tokens against the same passes at 64 (the cache's contents do not
+    change the time, so no long prefill is needed)."""
+    long = min(ATTENTION_CONTEXT, model.max_len - 8)
+    short = min(64, long // 4)
+    if long - short < 256:
+        return 0.0, 0.0  # a model this short never has a long context
+    cache = model.make_cache(long + 8)
+    ids = torch.randint(0, model.config.vocab_size, (8,), device=model.device)
+    per_key = {}
+    for r in (1, 8):
+        best = {}
+        for length in (short, long):
+            t_best = float("inf")
+            for _ in range(repeats + 1):
+                cache.truncate(0)
+                cache.length = length  # as if `length` tokens were cached
+                t0 = time.perf_counter()
+                model(ids[:r], cache, num_logits=1)
+                t_best = min(t_best, time.perf_counter() - t0)
+            best[length] = t_best
+        per_key[r] = max(0.0, best[long] - best[short]) / (long - short)
+    b = max(0.0, (per_key[8] - per_key[1]) / 7)
+    return max(0.0, per_key[1] - b), b
+
+
 def measure_pass_seconds(model: CausalLM, rows: tuple[int, ...] = (1, 2, 4, 8), repeats: int = 2) -> dict[int, float]:
     """Time target passes of each row count on a scratch cache (a few seconds at most)."""
     n = max(1, min(64, model.max_len - max(rows)))  # a short context that fits any max_len
     cache = model.make_cache(n + max(rows))
     context = torch.randint(0, model.config.vocab_size, (max(n, max(rows)),), device=model.device)
     model(context[:n], cache, num_logits=1)
-    out: dict[int, float] = {}
-    for r in rows:
-        ids = context[:r]
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first run warms kernels up
+    out = {r: float("inf") for r in rows}
+    for _ in range(repeats + 2):  # the first round warms kernels up; rounds interleave the row
+        for r in rows:            # counts, so a busy moment does not inflate one of them alone
             t0 = time.perf_counter()
-            model(ids, cache)
-            best = min(best, time.perf_counter() - t0)
+            model(context[:r], cache)
+            out[r] = min(out[r], time.perf_counter() - t0)
             cache.truncate(n)
-        out[r] = best
     return out
