@@ -743,3 +743,24 @@ def test_vs_llamacpp_pass_table_and_decode_summary() -> None:
     )
     assert "| 4 | 200.0 | 60.0 | 0.30 |" in md
     assert "| quickdraft auto | 20.0 |" in md and "| llama.cpp | 15.0 |" in md
+
+
+def test_long_input_sets_parse_and_edit_tasks_carry_whole_modules() -> None:
+    import json
+
+    from quickdraft.bench import datasets
+
+    shots = "###\nArticle: an old one. Summary: short.\n"
+    rows = [{"article": f"{shots}###\nArticle: story {i} " + "word " * 2500 + "\n\nSummarize the above article in 3 sentences."}
+            for i in range(12)]
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    one = datasets._parse_cnndm(data)
+    assert len(one) == 12 and one[0].turns[0].startswith("Article: story 0 ")
+    assert one[0].turns[0].endswith(datasets.CNNDM_ASK) and "old one" not in one[0].turns[0]
+    long = datasets._parse_cnndm_long(data)
+    assert long and all(len(item.turns[0]) >= datasets.LONG_CHARS for item in long)
+    assert "story 0 " in long[0].turns[0] and "story 3 " in long[0].turns[0]  # consecutive articles joined
+    edits = datasets.edit_items(2)
+    assert [i.id for i in edits] == ["edit/fnmatch.py", "edit/bisect.py"]
+    assert "def fnmatch(" in edits[0].turns[0] and "Add type hints" in edits[0].turns[0]
+    assert {"cnndm", "cnndm-10k"} <= set(datasets.PROMPT_SETS) and datasets.PROMPT_SETS["cnndm"].sdist

@@ -29,6 +29,7 @@ from quickdraft.speculative.eagle3.head import Eagle3Config, init_head_weights
 from quickdraft.speculative.eagle3.io import build_head
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
+from quickdraft.speculative.suffix import SuffixDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MB = 1 << 20
@@ -84,6 +85,8 @@ def make_drafter(kind: str, pair: Pair, head: Any = None) -> tuple[Any, int]:
         return None, 0
     if kind == "ngram":
         return NGramDrafter(max_ngram=3, min_ngram=1), 4
+    if kind == "suffix":
+        return SuffixDrafter(min_match=1), 8
     if kind == "draft":
         return DraftModelDrafter(pair.near.model, vocab, eager=True), 3
     if kind in ("eagle-chain", "eagle-tree"):
@@ -93,7 +96,7 @@ def make_drafter(kind: str, pair: Pair, head: Any = None) -> tuple[Any, int]:
     if kind == "auto":  # n-gram + a windowed draft model under the cost model
         cost = TargetCost({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3})
         draft = DraftModelDrafter(pair.near.model, vocab, eager=True, prefill_window=16)
-        cands = [Candidate(NGramDrafter(), Acceptance(0.6, 8), 0.0, cheap=True),
+        cands = [Candidate(SuffixDrafter(), Acceptance(0.6, 32), 0.0, cheap=True),
                  Candidate(draft, Acceptance(0.7, 8), 0.05, cheap=False)]
         return AutoDrafter(cands, cost), 8
     raise AssertionError(kind)
@@ -134,7 +137,7 @@ def same(warm: Out, ref: Out) -> None:
 
 # --------------------------------------------------------------------------- conversations
 
-KINDS = ["none", "ngram", "draft", "eagle-chain", "eagle-tree", "auto"]
+KINDS = ["none", "ngram", "suffix", "draft", "eagle-chain", "eagle-tree", "auto"]
 
 
 # Seeded sampling with the cost-model mix is left out: its per-step choices depend on what earlier

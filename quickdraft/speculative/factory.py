@@ -28,7 +28,6 @@ from quickdraft.speculative.draft_model import (
 )
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
-from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.pass_costs import pass_cost_model
 from quickdraft.speculative.policy import (
     Acceptance,
@@ -36,11 +35,13 @@ from quickdraft.speculative.policy import (
     Candidate,
     TargetCost,
 )
+from quickdraft.speculative.suffix import SuffixDrafter
 from quickdraft.speculative.vocab import DraftVocab, corpus_token_ranks
 
 # Zoo targets and the small model of the same family that drafts for them in --draft auto.
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 MAX_AUTO_K = 8
+LOOKUP_MAX_K = 32  # a long match of a file being rewritten holds for dozens of tokens
 NGRAM_PRIOR, DRAFT_PRIOR, EAGLE_PRIOR = 0.6, 0.7, 0.8
 PREFILL_WINDOW = 128  # prompt tokens a draft model under the cost model reads at least (see below)
 
@@ -109,14 +110,24 @@ def build_drafter(
     if cfg.num_draft is not None and len(base) == 1:
         return base[0][0], cfg.num_draft  # fixed k, one drafter: no policy needed
     eagles = [d for d, _, _, _ in base if isinstance(d, Eagle3Drafter)]
-    rows = cost_rows(target.model.device) if eagles else (1, 2, 4, 8)
+    rows = cost_rows(target.model.device) if eagles else (1, 2, 4, 8, 16)
     cost = pass_cost_model(target, rows, say)
     # An EAGLE-3 drafter sizes its own trees each step (its proposal is previewed like n-gram's,
     # cheap=True) from the same pass costs, which the AutoDrafter observes for both.
-    max_k = max([MAX_AUTO_K, *(d.shape.max_nodes for d in eagles)])
+    # Longest-match lookup proposes up to LOOKUP_MAX_K tokens where its match is long; the other
+    # drafters are offered at most MAX_AUTO_K (or an EAGLE tree's nodes).
+    lookup = any(isinstance(d, SuffixDrafter) for d, _, _, _ in base)
+    max_k = max([MAX_AUTO_K, *(d.shape.max_nodes for d in eagles), *([LOOKUP_MAX_K] if lookup else [])])
     for d in eagles:
         d.cost, d.observe_cost = cost, False
-    candidates = [Candidate(d, Acceptance(prior, max_k), per_token, cheap=per_token == 0.0, pass_cost=curve)
+
+    def own_k(d: Drafter) -> int:
+        if isinstance(d, SuffixDrafter):
+            return LOOKUP_MAX_K
+        return d.shape.max_nodes if isinstance(d, Eagle3Drafter) else MAX_AUTO_K
+
+    candidates = [Candidate(d, Acceptance(prior, max(MAX_AUTO_K, own_k(d))), per_token, cheap=per_token == 0.0,
+                            pass_cost=curve)
                   for d, prior, per_token, curve in base]
     return AutoDrafter(candidates, cost, fixed_k=cfg.num_draft), cfg.num_draft or max_k
 
@@ -129,7 +140,7 @@ def _base_drafters(
     out: list[tuple[Drafter, float, float, TargetCost | None]] = []
     head = eagle3_head_path(cfg.draft)
     if cfg.draft in ("auto", "ngram") or head is not None:
-        out.append((NGramDrafter(), NGRAM_PRIOR, 0.0, None))
+        out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
     if head is not None:
         eagle = build_eagle3_drafter(head, target, cfg.num_draft, say, canary=cfg.canary, standalone=False)
         if eagle is not None:

@@ -228,15 +228,16 @@ class AutoDrafter:
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
         for c in self.candidates:
             c.idle += 1
-            preview = c.drafter.propose(budget) if c.cheap else None
-            limit = min(budget, preview.k if preview is not None else budget)
+            preview = c.drafter.propose(min(budget, c.acceptance.max_k)) if c.cheap else None
+            limit = min(budget, c.acceptance.max_k, preview.k if preview is not None else budget)
             estimate = getattr(c.drafter, "expected_tokens", None) if preview is not None else None
             if self.fixed_k:
                 k, rate = min(self.fixed_k, limit), float("inf")
             elif estimate is not None and limit > 0:
-                # The drafter sized its own proposal (e.g. an EAGLE tree from its confidences) and
-                # already paid for drafting it: compare its own estimate per target pass.
-                k, rate = limit, estimate(limit) / self.cost(limit + 1)
+                # The drafter estimates its own proposal (an EAGLE tree from its confidences, a
+                # lookup from its match length) and already paid for drafting it: take the prefix
+                # with the best estimate per target pass.
+                k, rate = max(((j, estimate(j) / self.cost(j + 1)) for j in range(1, limit + 1)), key=lambda x: x[1])
             else:
                 k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
             if c.idle > c.probe_every and limit > 0:
