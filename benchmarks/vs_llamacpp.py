@@ -363,23 +363,26 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 
 def markdown_tables(result: dict[str, Any]) -> list[str]:
-    """The two tables of one model as Markdown lines."""
-    table = result["passes"]["table"]
-    first = table[0]["rows"]
-    lines = [
-        "Forward pass of T new rows after the context, logits for all rows (median ms; "
-        "a time ratio < 1 means quickdraft is faster):",
-        "",
-        f"| T | llama.cpp ms | quickdraft ms | quickdraft / llama.cpp | llama.cpp T / T={first} "
-        f"| quickdraft T / T={first} |",
-        "|---|---|---|---|---|---|",
-    ]
-    for p in table:
-        lines.append(
-            f"| {p['rows']} | {_fmt(p['llama_cpp_ms'], 1)} | {_fmt(p['quickdraft_ms'], 1)} | "
-            f"{_fmt(p['time_ratio'])} | {_fmt(p['llama_cpp_rel_first'])} | "
-            f"{_fmt(p['quickdraft_rel_first'])} |"
-        )
+    """The tables of one model as Markdown lines (one pass table per context length)."""
+    lines: list[str] = []
+    for sweep in result.get("passes_by_context") or [result["passes"]]:
+        table = sweep["table"]
+        first = table[0]["rows"]
+        lines += [
+            f"Forward pass of T new rows after {sweep['context_tokens']} context tokens, logits for all rows "
+            "(median ms; a time ratio < 1 means quickdraft is faster):",
+            "",
+            f"| T | llama.cpp ms | quickdraft ms | quickdraft / llama.cpp | llama.cpp T / T={first} "
+            f"| quickdraft T / T={first} |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in table:
+            lines.append(
+                f"| {p['rows']} | {_fmt(p['llama_cpp_ms'], 1)} | {_fmt(p['quickdraft_ms'], 1)} | "
+                f"{_fmt(p['time_ratio'])} | {_fmt(p['llama_cpp_rel_first'])} | "
+                f"{_fmt(p['quickdraft_rel_first'])} |"
+            )
+        lines.append("")
     lines += [
         "",
         "Greedy decoding, tokens/s per prompt (a ratio > 1 means quickdraft is faster):",
@@ -462,9 +465,9 @@ def measure_passes(
     """Seconds per pass of each engine and row count, alternating engines pass by pass."""
     import torch
 
-    ctx, new = ids[:context], ids[context:]
+    ctx, new = ids[:context], ids[context:context + max(rows)]
     cache = model.make_cache(context + max(rows))
-    model(torch.tensor(ctx), cache, num_logits=1)
+    model.prefill(torch.tensor(ctx), cache)  # chunked, as the engine prefills
     new_t = torch.tensor(new)
 
     def qd_pass(r: int) -> float:
@@ -614,15 +617,15 @@ def measure_model(
     contenders = runner.build_in_process(
         args.method_list, spec, target, runner.MethodOptions(dtype=args.dtype), say
     )
-    context = args.context
-    say(
-        f"[{spec}] forward passes: rows {args.row_list} after {context} tokens, {args.repeats} repeats"
-    )
-    ids = pass_tokens(target.tokenizer, context + max(args.row_list))
-    seconds = measure_passes(
-        worker, target.model, ids, context, args.row_list, args.repeats, args.settle
-    )
-    table = pass_table(seconds)
+    sweep = []
+    ids = pass_tokens(target.tokenizer, max(args.context) + max(args.row_list))
+    for context in args.context:  # --context N [N ...]: the pass costs at each context length
+        say(f"[{spec}] forward passes: rows {args.row_list} after {context} tokens, {args.repeats} repeats")
+        seconds = measure_passes(
+            worker, target.model, ids, context, args.row_list, args.repeats, args.settle
+        )
+        sweep.append({"context_tokens": context, "table": pass_table(seconds),
+                      "seconds": {e: {str(r): v for r, v in d.items()} for e, d in seconds.items()}})
     say(f"[{spec}] greedy decoding: {len(items)} prompts, up to {args.tokens} tokens")
     records = measure_decode(
         worker, contenders, target.tokenizer, items, args.tokens, args.ignore_eos, args.settle, say
@@ -638,12 +641,8 @@ def measure_model(
             "llama_cpp": lc_info,
             "contenders": [c.describe() for c in contenders],
         },
-        "passes": {
-            "context_tokens": context,
-            "token_ids": ids,
-            "table": table,
-            "seconds": {e: {str(r): v for r, v in d.items()} for e, d in seconds.items()},
-        },
+        "passes": {**sweep[0], "token_ids": ids[: args.context[0] + max(args.row_list)]},
+        "passes_by_context": sweep,
         "decode": {
             "summary": decode_summary(records, names),
             "lossless_failures": lossless_failures(records),
@@ -714,7 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{QUICK.prompts} prompts, {QUICK.tokens} tokens, rows {QUICK.rows})",
     )
     ap.add_argument(
-        "--context", type=int, default=128, help="context tokens before each pass (default: 128)"
+        "--context", type=int, nargs="+", default=[128],
+        help="context tokens before each pass; several values time the passes at each (e.g. 128 1024 4096)"
     )
     ap.add_argument(
         "--threads", type=int, default=2, help="compute threads of both engines (default: 2)"
@@ -773,12 +773,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         head = parse_methods(f"eagle3={args.eagle3}")[0]
         methods += [head] if head not in methods else []
     args.method_list = methods
-    for key, low in (("prompts", 1), ("tokens", 2), ("repeats", 1), ("context", 1), ("threads", 1)):
+    for key, low in (("prompts", 1), ("tokens", 2), ("repeats", 1), ("threads", 1)):
         if getattr(args, key) < low:
             raise QuickdraftError(f"--{key} must be at least {low}, got {getattr(args, key)}")
+    if min(args.context) < 1:
+        raise QuickdraftError(f"--context must be at least 1, got {min(args.context)}")
     if max(args.row_list) > args.n_batch:
         raise QuickdraftError(f"--n-batch ({args.n_batch}) must be at least the largest --rows")
-    if args.context + max(args.row_list) > args.max_context:
+    if max(args.context) + max(args.row_list) > args.max_context:
         raise QuickdraftError("--context plus the largest --rows must fit --max-context")
     args.llamacpp_venv = args.llamacpp_venv or default_venv()
     args.name = args.name or ("quick-" if args.quick else "") + datetime.now().strftime(

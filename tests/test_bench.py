@@ -736,12 +736,14 @@ def test_vs_llamacpp_pass_table_and_decode_summary() -> None:
     assert auto["tokens_per_second_median"] == 20.0
     assert auto["ratio_to_llama_cpp"] == pytest.approx(20 / 15, abs=1e-3)
     assert auto["paired_ratio_median"] == pytest.approx((1.0 + 1.5) / 2)
+    sweep = [{"context_tokens": 128, "table": [one, four]}, {"context_tokens": 4096, "table": [one]}]
     md = "\n".join(
         vs.markdown_tables(
-            {"passes": {"table": [one, four]}, "decode": {"summary": [lc, none, auto]}}
+            {"passes": sweep[0], "passes_by_context": sweep, "decode": {"summary": [lc, none, auto]}}
         )
     )
     assert "| 4 | 200.0 | 60.0 | 0.30 |" in md
+    assert "after 128 context tokens" in md and "after 4096 context tokens" in md  # a --context sweep
     assert "| quickdraft auto | 20.0 |" in md and "| llama.cpp | 15.0 |" in md
 
 
