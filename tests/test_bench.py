@@ -190,7 +190,7 @@ def test_jsonl_errors_name_the_line(tmp_path: Path, line: str, message: str) -> 
 
 
 def test_unknown_dataset_is_a_clear_error() -> None:
-    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, agent or a JSONL file"):
+    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, cnndm, cnndm-10k, agent, edit or a JSONL file"):
         datasets.load_dataset("no-such-set")
 
 

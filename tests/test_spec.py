@@ -1170,3 +1170,41 @@ def test_draft_model_skips_a_long_catch_up_and_stays_lossless(tiny: Case) -> Non
     assert inner.offset >= 6 and run.stats.drafted > 0
     assert all(pos == consumed for pos, consumed in seen)
     assert run.stats.accepted > 0  # the model drafting for itself still hits after the gap
+
+
+# ------------------------------------------------------------------ long contexts (fp16 KV, lookup)
+
+
+@pytest.fixture(scope="module")
+def long_gguf(tiny_root: Path) -> Case:
+    """The quantized tiny model (native stack, fp16 KV) over a ~3,000-token prompt that repeats
+    itself, so lookup has long matches to propose from."""
+    from quickdraft.quant.ggml import kernels_active
+
+    if not kernels_active():
+        pytest.skip("the native kernels are not built on this machine")
+    folder = make_tiny_hf_model(tiny_root, "qwen2", seed=23, name="qwen2-long", max_position_embeddings=4096)
+    path = hf_to_gguf(folder, tiny_root / "qwen2-long.gguf", GGUF_LINEARS)
+    loaded = load_model(str(path), max_context=4096)
+    assert loaded.model.kv_dtype == torch.float16
+    rng = random.Random(3)
+    vocab = loaded.config.vocab_size
+    block = [rng.randrange(5, vocab) for _ in range(700)]
+    prompt = (block + [rng.randrange(5, vocab) for _ in range(300)]) * 3
+    run = generate(loaded, prompt, max_tokens=48, ignore_eos=True)
+    return Case(loaded, prompt, run.ids)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly"])
+def test_long_context_scripted_drafters_match_plain_greedy(long_gguf: Case, kind: str) -> None:
+    assert len(long_gguf.prompt) == 3000
+    check_scripted(long_gguf, kind, 6)
+
+
+def test_long_context_lookup_drafters_match_plain_greedy(long_gguf: Case) -> None:
+    from quickdraft.speculative.suffix import SuffixDrafter
+
+    for drafter, k in ((SuffixDrafter(), 32), (SuffixDrafter(min_match=1), 4), (NGramDrafter(), 8)):
+        run = long_gguf.spec(drafter, k)
+        assert run.ids == long_gguf.truth, drafter
+    check_rows_bitwise(long_gguf.loaded.model, long_gguf.prompt[:2900], long_gguf.prompt[2900:2920], [1, 8, 17], [0, 5])
