@@ -114,7 +114,7 @@ def _start(model: Path, *extra: str) -> Server:
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    ready.wait(120)
+    ready.wait(300)  # a first start may build the CPU kernels (~80 s on 2 cores)
     assert url, "the server did not start:\n" + "".join(log)
     return Server(proc, url[0], log)
 
