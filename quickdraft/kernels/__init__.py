@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import shutil
 import sys
 import threading
 import warnings
@@ -63,9 +62,9 @@ def _cpu_unsupported() -> str | None:
 
 
 def _ensure_ninja_on_path() -> None:
-    """torch runs ``ninja`` from PATH; the pip ``ninja`` package lives next to this Python."""
-    if shutil.which("ninja"):
-        return
+    """torch runs ``ninja`` from PATH: put the pip ``ninja`` package's first, so every process
+    builds with the same one (two ninja versions, e.g. a system 1.11 and pip's 1.13, discard each
+    other's build logs and rebuild everything, ~80 s, whenever they alternate)."""
     dirs = [os.path.dirname(sys.executable)]
     try:
         import ninja  # type: ignore[import-not-found]
@@ -75,7 +74,9 @@ def _ensure_ninja_on_path() -> None:
         pass
     for d in dirs:
         if os.path.isfile(os.path.join(d, "ninja")):
-            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            path = os.environ.get("PATH", "")
+            if not path.startswith(d + os.pathsep):
+                os.environ["PATH"] = d + os.pathsep + path
             return
 
 
@@ -85,7 +86,14 @@ def build_name() -> str:
     for p in SOURCES + HEADERS:
         h.update(p.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(_torch_version().encode())  # the module links against this torch
     return f"quickdraft_ggml_cpu_{h.hexdigest()[:12]}"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _build() -> ModuleType:
@@ -94,7 +102,15 @@ def _build() -> ModuleType:
     _ensure_ninja_on_path()
     name = build_name()
     build_dir = Path(ext._get_build_directory(name, verbose=False))
-    if not any(build_dir.glob(f"{name}*.so")):
+    built = build_dir / f"{name}.so"
+    if built.is_file() and not (build_dir / "lock").exists():
+        # The name hashes every source, flag and the torch version: an existing build is this
+        # one, so import it directly instead of asking ninja whether it is up to date.
+        try:
+            return _import_built(name, built)
+        except ImportError:  # damaged (e.g. a build killed mid-link): build again below
+            pass
+    else:
         print("building quickdraft CPU kernels (once) ...", file=sys.stderr, flush=True)
     return ext.load(
         name=name,
@@ -105,6 +121,18 @@ def _build() -> ModuleType:
         build_directory=str(build_dir),
         verbose=False,
     )
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def load() -> ModuleType | None:
