@@ -165,6 +165,22 @@ inline void scores(const float* const* qr, const KV* kb, int64_t ks1, const int6
     UNROLL for (int g = 0; g < NH; ++g) ps[g][j0 + u] = hsum8(a[u][g]) * sc;
 }
 
+// a_g[e] += sum_j p_g[j] v_j[8c + 8e ..] over j = 0 .. n - 1 in slot order, for NH heads and
+// NC column chunks: the values' FMA chain, shared by the whole-row and the tiled paths.
+template <int NH, int NC, typename KV>
+QD_LOAD_INLINE void fma_values(const KV* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
+                               const float* const* ps, __m256 (&a)[NH][NC]) {
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* vr = vb + idx[j] * vs1 + 8 * c;
+    __m256 vv[NC];
+    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr + 8 * e);
+    UNROLL for (int g = 0; g < NH; ++g) {
+      const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
+      UNROLL for (int e = 0; e < NC; ++e) a[g][e] = _mm256_fmadd_ps(pj, vv[e], a[g][e]);
+    }
+  }
+}
+
 // y_g[8c .. 8c + 8 NC) = (sum_j p_g[j] v_j[..]) * inv_g, j in slot order from zero, for NH heads.
 template <int NH, int NC, typename KV>
 inline void weighted_values(const KV* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
@@ -172,15 +188,7 @@ inline void weighted_values(const KV* vb, int64_t vs1, const int64_t* idx, int64
   __m256 acc[NH][NC];
   UNROLL for (int g = 0; g < NH; ++g)
     UNROLL for (int e = 0; e < NC; ++e) acc[g][e] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const KV* vr = vb + idx[j] * vs1 + 8 * c;
-    __m256 vv[NC];
-    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr + 8 * e);
-    UNROLL for (int g = 0; g < NH; ++g) {
-      const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
-      UNROLL for (int e = 0; e < NC; ++e) acc[g][e] = _mm256_fmadd_ps(pj, vv[e], acc[g][e]);
-    }
-  }
+  fma_values<NH, NC, KV>(vb, vs1, idx, n, c, ps, acc);
   UNROLL for (int g = 0; g < NH; ++g)
     UNROLL for (int e = 0; e < NC; ++e) _mm256_storeu_ps(y[g] + 8 * (c + e), _mm256_mul_ps(acc[g][e], _mm256_set1_ps(inv[g])));
 }
@@ -194,15 +202,7 @@ inline void accumulate_values(const KV* vb, int64_t vs1, const int64_t* idx, int
   __m256 a[NH][NC];
   UNROLL for (int g = 0; g < NH; ++g)
     UNROLL for (int e = 0; e < NC; ++e) a[g][e] = _mm256_loadu_ps(acc[g] + 8 * (c + e));
-  for (int64_t j = 0; j < n; ++j) {
-    const KV* vr = vb + idx[j] * vs1 + 8 * c;
-    __m256 vv[NC];
-    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr + 8 * e);
-    UNROLL for (int g = 0; g < NH; ++g) {
-      const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
-      UNROLL for (int e = 0; e < NC; ++e) a[g][e] = _mm256_fmadd_ps(pj, vv[e], a[g][e]);
-    }
-  }
+  fma_values<NH, NC, KV>(vb, vs1, idx, n, c, ps, a);
   UNROLL for (int g = 0; g < NH; ++g)
     UNROLL for (int e = 0; e < NC; ++e) _mm256_storeu_ps(acc[g] + 8 * (c + e), a[g][e]);
 }
