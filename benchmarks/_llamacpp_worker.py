@@ -13,6 +13,9 @@ Commands:
   context is decoded once (and again only when it changes); each pass then decodes ``tokens[:r]``
   right after it with logits for every row, like a speculative verification pass, is timed, and
   is removed from the KV cache again. Answer: ``{"seconds": {"1": [...], "2": [...]}}``.
+- ``{"cmd": "prefill_times", "tokens": [ids], "repeats": R}``: each repeat empties the KV cache
+  and decodes ``tokens`` in n_batch chunks (logits for the last row only), as a prompt is
+  prefilled, timed. Answer: ``{"seconds": [...]}``.
 - ``{"cmd": "generate", "prompt": [ids], "max_tokens": N, "stop_ids": [ids]}``: greedy decoding
   (argmax of the logits, what temperature 0 means), one token per decode call, each token turned
   into text as a streaming client would. Answer: token ids, finish reason, and seconds from the
@@ -45,6 +48,8 @@ class Engine(Protocol):
     def pass_times(
         self, context: Sequence[int], tokens: Sequence[int], rows: Sequence[int], repeats: int
     ) -> dict[str, list[float]]: ...
+
+    def prefill_times(self, tokens: Sequence[int], repeats: int) -> list[float]: ...
 
     def generate(
         self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int]
@@ -171,6 +176,14 @@ class LlamaCppEngine:
                 self.lc.llama_memory_seq_rm(self.mem, 0, n, -1)  # back to the bare context
         return out
 
+    def prefill_times(self, tokens: Sequence[int], repeats: int) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._prefill(tokens)
+            out.append(time.perf_counter() - t0)
+        return out
+
     def generate(
         self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int]
     ) -> dict[str, Any]:
@@ -239,7 +252,7 @@ def handle(req: dict[str, Any], state: dict[str, Any], factory: EngineFactory) -
             state["engine"] = None
         state["quit"] = True
         return {"ok": True}
-    if cmd not in ("pass_times", "generate"):
+    if cmd not in ("pass_times", "prefill_times", "generate"):
         return {"ok": False, "error": f"unknown command {cmd!r}"}
     if engine is None:
         return {"ok": False, "error": f"{cmd!r} before 'load'"}
@@ -251,6 +264,11 @@ def handle(req: dict[str, Any], state: dict[str, Any], factory: EngineFactory) -
             _ints(req, "context"), _ints(req, "tokens"), rows, int(req.get("repeats", 1))
         )
         return {"ok": True, "seconds": seconds}
+    if cmd == "prefill_times":
+        tokens = _ints(req, "tokens")
+        if not tokens:
+            raise ValueError("'tokens' must not be empty")
+        return {"ok": True, "seconds": engine.prefill_times(tokens, int(req.get("repeats", 1)))}
     result = engine.generate(_ints(req, "prompt"), int(req["max_tokens"]), _ints(req, "stop_ids"))
     return {"ok": True, **result}
 

@@ -383,6 +383,23 @@ def markdown_tables(result: dict[str, Any]) -> list[str]:
                 f"{_fmt(p['quickdraft_rel_first'])} |"
             )
         lines.append("")
+    if result.get("prefill"):
+        lines += [
+            "Prefill of N prompt tokens into an empty cache (median; speedup > 1 means quickdraft "
+            "is faster):",
+            "",
+            "| N | llama.cpp s | quickdraft s | llama.cpp tok/s | quickdraft tok/s | speedup |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in result["prefill"]:
+            lines.append(
+                f"| {p['prompt_tokens']} | {_fmt(p['llama_cpp_s'], 3)} | {_fmt(p['quickdraft_s'], 3)} | "
+                f"{_fmt(p['llama_cpp_tok_s'], 1)} | {_fmt(p['quickdraft_tok_s'], 1)} | "
+                f"{_fmt(p['speedup'])} |"
+            )
+        lines.append("")
+    if not result["decode"].get("records", True):
+        return lines
     lines += [
         "",
         "Greedy decoding, tokens/s per prompt (a ratio > 1 means quickdraft is faster):",
@@ -494,6 +511,55 @@ def measure_passes(
                 settle(pause)
                 out[name][r].append(engines[name](r))
     return out
+
+
+def measure_prefill(
+    worker: LlamaCppWorker,
+    model: Any,
+    ids: list[int],
+    lengths: Sequence[int],
+    repeats: int,
+    pause: float,
+) -> list[dict[str, Any]]:
+    """Prompt processing: each engine prefills the first N ids into an empty KV cache (its own
+    chunking: quickdraft's PREFILL_CHUNK passes, llama.cpp's n_batch), logits for the last row,
+    engines alternating repeat by repeat. One row per N: median seconds and tokens/s of each."""
+    import torch
+
+    def qd_prefill(n: int) -> float:
+        cache = model.make_cache(n + 1)
+        t0 = time.perf_counter()
+        model.prefill(torch.tensor(ids[:n]), cache)
+        return time.perf_counter() - t0
+
+    def lc_prefill(n: int) -> float:
+        return float(worker.request("prefill_times", tokens=ids[:n], repeats=1)["seconds"][0])
+
+    engines: dict[str, Callable[[int], float]] = {LLAMACPP: lc_prefill, "quickdraft": qd_prefill}
+    for f in engines.values():  # warm-up
+        settle(pause)
+        f(min(lengths))
+    table = []
+    for n in lengths:
+        got: dict[str, list[float]] = {name: [] for name in engines}
+        order = list(engines)
+        for i in range(repeats):
+            for name in order if i % 2 == 0 else order[::-1]:
+                settle(pause)
+                got[name].append(engines[name](n))
+        m_lc, m_qd = median(got[LLAMACPP]), median(got["quickdraft"])
+        table.append(
+            {
+                "prompt_tokens": n,
+                "llama_cpp_s": _round(m_lc, 3),
+                "quickdraft_s": _round(m_qd, 3),
+                "llama_cpp_tok_s": _round(n / m_lc if m_lc else None, 1),
+                "quickdraft_tok_s": _round(n / m_qd if m_qd else None, 1),
+                "speedup": _round(ratio(m_lc, m_qd), 3),  # > 1: quickdraft prefills faster
+                "seconds": got,
+            }
+        )
+    return table
 
 
 def llamacpp_record(
@@ -626,10 +692,20 @@ def measure_model(
         )
         sweep.append({"context_tokens": context, "table": pass_table(seconds),
                       "seconds": {e: {str(r): v for r, v in d.items()} for e, d in seconds.items()}})
-    say(f"[{spec}] greedy decoding: {len(items)} prompts, up to {args.tokens} tokens")
-    records = measure_decode(
-        worker, contenders, target.tokenizer, items, args.tokens, args.ignore_eos, args.settle, say
-    )
+    prefill = []
+    if args.prefill:
+        say(f"[{spec}] prefill: {args.prefill} prompt tokens, {args.repeats} repeats")
+        prefill = measure_prefill(
+            worker, target.model, pass_tokens(target.tokenizer, max(args.prefill)),
+            args.prefill, args.repeats, args.settle,
+        )
+    records: list[DecodeRecord] = []
+    if items:  # --prompts 0: passes and prefill only
+        say(f"[{spec}] greedy decoding: {len(items)} prompts, up to {args.tokens} tokens")
+        records = measure_decode(
+            worker, contenders, target.tokenizer, items, args.tokens, args.ignore_eos, args.settle,
+            say,
+        )
     names = [LLAMACPP, *(c.name for c in contenders)]
     result = {
         "model": {
@@ -643,6 +719,7 @@ def measure_model(
         },
         "passes": {**sweep[0], "token_ids": ids[: args.context[0] + max(args.row_list)]},
         "passes_by_context": sweep,
+        "prefill": prefill,
         "decode": {
             "summary": decode_summary(records, names),
             "lossless_failures": lossless_failures(records),
@@ -717,6 +794,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="context tokens before each pass; several values time the passes at each (e.g. 128 1024 4096)"
     )
     ap.add_argument(
+        "--prefill", type=int, nargs="*", default=[],
+        help="also time the prefill of N prompt tokens into an empty cache (e.g. 512 4096)",
+    )
+    ap.add_argument(
         "--threads", type=int, default=2, help="compute threads of both engines (default: 2)"
     )
     ap.add_argument(
@@ -773,11 +854,13 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         head = parse_methods(f"eagle3={args.eagle3}")[0]
         methods += [head] if head not in methods else []
     args.method_list = methods
-    for key, low in (("prompts", 1), ("tokens", 2), ("repeats", 1), ("threads", 1)):
+    for key, low in (("prompts", 0), ("tokens", 2), ("repeats", 1), ("threads", 1)):
         if getattr(args, key) < low:
             raise QuickdraftError(f"--{key} must be at least {low}, got {getattr(args, key)}")
     if min(args.context) < 1:
         raise QuickdraftError(f"--context must be at least 1, got {min(args.context)}")
+    if args.prefill and (min(args.prefill) < 1 or max(args.prefill) + 1 > args.max_context):
+        raise QuickdraftError("every --prefill length must be at least 1 and fit --max-context")
     if max(args.row_list) > args.n_batch:
         raise QuickdraftError(f"--n-batch ({args.n_batch}) must be at least the largest --rows")
     if max(args.context) + max(args.row_list) > args.max_context:
@@ -826,8 +909,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             f"warning: load average {load_start[0]:.1f} on {os.cpu_count()} CPUs: other processes "
             "are computing, so both engines' numbers will be noisy and low"
         )
-    dataset = load_dataset("humaneval", args.prompts)
-    items = dataset.items
+    dataset = load_dataset("humaneval", max(args.prompts, 1))
+    items = dataset.items[: args.prompts]
     t0 = time.time()
     results = []
     with LlamaCppWorker(args.llamacpp_venv) as worker:
@@ -857,6 +940,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             "rows": args.row_list,
             "repeats": args.repeats,
             "context": args.context,
+            "prefill": args.prefill,
             "methods": args.method_list,
             "ignore_eos": args.ignore_eos,
             "max_context": args.max_context,

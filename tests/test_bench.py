@@ -623,6 +623,9 @@ class _FakeLlamaEngine:
     ) -> dict[str, list[float]]:
         return {str(r): [0.001 * r * len(context)] * repeats for r in rows}
 
+    def prefill_times(self, tokens: list[int], repeats: int) -> list[float]:
+        return [0.01 * len(tokens)] * repeats
+
     def generate(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> dict[str, Any]:
         ids = [7] * (max_tokens - 1) + stop_ids[:1]
         return {"token_ids": ids, "token_times": [0.1 * (i + 1) for i in range(len(ids))]}
@@ -641,6 +644,8 @@ def test_vs_llamacpp_worker_loop_with_a_fake_engine() -> None:
         {"cmd": "load", "model": "m.gguf", "n_ctx": 64, "n_threads": 2, "n_batch": 32},
         {"cmd": "pass_times", "context": [1, 2, 3], "tokens": [4, 5], "rows": [1, 2], "repeats": 2},
         {"cmd": "pass_times", "context": [1], "tokens": [4], "rows": [0]},
+        {"cmd": "prefill_times", "tokens": [1, 2, 3, 4], "repeats": 2},
+        {"cmd": "prefill_times", "tokens": []},
         {"cmd": "generate", "prompt": [1, 2], "max_tokens": 3, "stop_ids": [9]},
         {"cmd": "generate", "prompt": "hi", "max_tokens": 3, "stop_ids": []},
         {"cmd": "sing"},
@@ -655,14 +660,16 @@ def test_vs_llamacpp_worker_loop_with_a_fake_engine() -> None:
     _FakeLlamaEngine.closed = 0
     rc = worker.serve(io.StringIO("\n".join(lines) + "\n"), out, _FakeLlamaEngine, {"ok": True})
     replies = [json.loads(x) for x in out.getvalue().splitlines()]
-    assert rc == 0 and len(replies) == 11  # hello + 10 answers; nothing after quit
-    hello, early, missing, load, passes, bad_rows, gen, bad_prompt, unknown, junk, quit_ = replies
+    assert rc == 0 and len(replies) == 13  # hello + 12 answers; nothing after quit
+    hello, early, missing, load, passes, bad_rows, prefill, no_prefill, gen, bad_prompt, unknown, junk, quit_ = replies
     assert hello == {"ok": True}
     assert not early["ok"] and "before 'load'" in early["error"]
     assert not missing["ok"] and "no such model file" in missing["error"]
     assert load == {"ok": True, "info": {"model": "m.gguf", "n_threads": 2}}
     assert passes == {"ok": True, "seconds": {"1": [0.003, 0.003], "2": [0.006, 0.006]}}
     assert not bad_rows["ok"] and "positive" in bad_rows["error"]
+    assert prefill == {"ok": True, "seconds": [0.04, 0.04]}
+    assert not no_prefill["ok"] and "must not be empty" in no_prefill["error"]
     assert gen["ok"] and gen["token_ids"] == [7, 7, 9] and len(gen["token_times"]) == 3
     assert not bad_prompt["ok"] and "'prompt' must be a list of integers" in bad_prompt["error"]
     assert not unknown["ok"] and "unknown command 'sing'" in unknown["error"]
