@@ -253,6 +253,11 @@ class Engine:
                 f"the prompt has {n} tokens but the context holds {self.cache.max_len}; "
                 "shorten the prompt or raise --max-context"
             )
+        vocab = self.model.config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise QuickdraftError(
+                f"logit_bias token id {params.logit_bias[-1][0]} is not in the vocabulary [0, {vocab})"
+            )
         if params.max_tokens > room:  # finish with "length" where the context ends
             params = dataclasses.replace(params, max_tokens=room)
         ids = as_ids(list(prompt_ids))

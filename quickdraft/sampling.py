@@ -7,6 +7,7 @@ same code, with the same context, whichever path produced the position.
 
 Order of transforms (vLLM / Hugging Face conventions):
 
+0. logit bias (OpenAI's ``logit_bias``: a fixed amount added to chosen tokens' logits);
 1. penalties: repetition (HF: divide positive logits, multiply negative ones, for every id seen
    in prompt + output), then frequency and presence (OpenAI: subtract ``count * frequency`` and
    ``presence`` for every id seen in the output only);
@@ -46,11 +47,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0: the chosen token's logprob and the top n
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids unique
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and the CLI; store tuples so the object stays hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         problems = _problems(self)
         if problems:
             raise QuickdraftError("invalid sampling parameters: " + "; ".join(problems))
@@ -99,8 +103,13 @@ def _problems(p: SamplingParams) -> list[str]:
             out.append(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
     if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
         out.append(f"logprobs must be an integer in [0, 20] or None, got {p.logprobs!r}")
-    if p.seed is not None and not _is_int(p.seed):
-        out.append(f"seed must be an integer or None, got {p.seed!r}")
+    if p.seed is not None and (not _is_int(p.seed) or not -(2**63) <= p.seed < 2**64):
+        out.append(f"seed must be an integer in [-2**63, 2**64) or None, got {p.seed!r}")
+    ids = [t for t, _ in p.logit_bias]
+    if not all(_is_int(t) and t >= 0 for t in ids) or len(set(ids)) != len(ids):
+        out.append("logit_bias keys must be distinct non-negative token ids")
+    if not all(_is_real(b) and -100 <= b <= 100 for _, b in p.logit_bias):
+        out.append("logit_bias values must be in [-100, 100]")
     if not all(isinstance(s, str) and s for s in p.stop):
         out.append(f"stop must be a list of non-empty strings, got {list(p.stop)!r}")
     if not all(_is_int(t) and t >= 0 for t in p.stop_token_ids):
@@ -136,6 +145,8 @@ def process_logits(
     May return ``logits`` itself (as float32) when nothing applies; do not modify the result in place.
     """
     out = logits.float()  # [N, V]
+    if params.logit_bias:
+        out = _apply_logit_bias(out, params.logit_bias)
     if params.needs_history:
         out = _apply_penalties(out, params, prompt_ids, output_ids, draft)
     if params.greedy:
@@ -148,6 +159,14 @@ def process_logits(
         out = _apply_top_p(out, params.top_p)
     if params.min_p > 0.0:
         out = _apply_min_p(out, params.min_p)
+    return out
+
+
+def _apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    out = logits.clone()
+    out[:, ids] += values
     return out
 
 

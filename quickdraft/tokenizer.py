@@ -324,7 +324,10 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render then encode; BOS is added only when the model wants it and the text lacks it.
 
@@ -332,7 +335,9 @@ class Tokenizer:
         need BOS write it themselves); llama.cpp additionally prepends BOS when ``add_bos_token``
         is set and the template did not. Both agree whenever the template writes its own BOS.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools or None
+        )
         ids = self.encode(text, add_special_tokens=False)
         bos = self.bos_id
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):

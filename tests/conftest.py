@@ -27,6 +27,12 @@ def qwen05_gguf() -> Path:
     return zoo.fetch("qwen2.5-coder-0.5b-instruct", progress=False)
 
 
+@pytest.fixture(scope="session")
+def qwen15_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (qwen2, Q4_K_M, ~1.1 GiB): the target of the real pair."""
+    return zoo.fetch("qwen2.5-coder-1.5b-instruct", progress=False)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch thread for a whole module (modules opt in with ``pytestmark``): the tiny models

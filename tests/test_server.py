@@ -8,14 +8,10 @@ Two servers of SmolLM2-135M (fp32, the exact mode) run for the whole module: one
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from live_server import CONTEXT, KEY, NAME, Server, start_server, stop_server
 
 from quickdraft.cli.main import main
 from quickdraft.errors import QuickdraftError
@@ -31,9 +28,6 @@ from quickdraft.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
-NAME = "smollm2"
-KEY = "test-key-123"
-CONTEXT = 512
 HAIKU = [{"role": "user", "content": "Write a haiku about the sea."}]
 FIB = "def fibonacci(n):"
 PERSON_SCHEMA = {
@@ -48,90 +42,10 @@ PERSON_SCHEMA = {
 }
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen[str]
-    url: str  # .../v1
-    log: list[str]
-
-    @property
-    def root(self) -> str:
-        return self.url.removesuffix("/v1")
-
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.root}/metrics", headers=_auth(KEY)).text
-        found = re.search(rf"^{name} (\S+)$", text, re.M)
-        assert found, f"{name} not in /metrics"
-        return float(found.group(1))
-
-
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def _start(model: Path, *extra: str) -> Server:
-    cmd = [
-        sys.executable,
-        "-m",
-        "quickdraft",
-        "serve",
-        "--model",
-        str(model),
-        "--served-model-name",
-        NAME,
-        "--dtype",
-        "float32",
-        "--max-context",
-        str(CONTEXT),
-        "--threads",
-        "1",
-        "--port",
-        "0",
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    log: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line)
-            found = re.search(r"serving \S+ at (http://\S+/v1)", line)
-            if found:
-                url.append(found.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(300)  # a first start may build the CPU kernels (~80 s on 2 cores)
-    assert url, "the server did not start:\n" + "".join(log)
-    return Server(proc, url[0], log)
-
-
-def _stop(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def servers(smollm2_gguf: Path) -> Iterator[tuple[Server, Server]]:
-    spec = _start(smollm2_gguf, "--draft", "ngram", "--num-draft", "4")
-    plain = _start(smollm2_gguf, "--draft", "none", "--api-key", KEY)
+    spec = start_server(smollm2_gguf, "--draft", "ngram", "--num-draft", "4")
+    plain = start_server(smollm2_gguf, "--draft", "none", "--api-key", KEY)
     for s in (spec, plain):
         deadline = time.time() + 60
         while httpx.get(f"{s.root}/health", timeout=60).status_code != 200:
@@ -139,7 +53,7 @@ def servers(smollm2_gguf: Path) -> Iterator[tuple[Server, Server]]:
             time.sleep(0.1)
     yield spec, plain
     for s in (spec, plain):
-        _stop(s)
+        stop_server(s)
         assert "Traceback" not in "".join(s.log), "".join(s.log)
 
 
@@ -234,7 +148,7 @@ def test_prefix_cache_across_requests_and_clients(spec: Server, plain: Server) -
     assert count >= cached
 
 
-def test_completions_stream_logprobs_and_stop(spec: Server) -> None:
+def test_completions_stream_logprobs_andstop_server(spec: Server) -> None:
     client = spec.client()
     whole = client.completions.create(
         model=NAME, prompt=FIB, max_tokens=12, temperature=0, logprobs=2
@@ -407,6 +321,30 @@ def test_api_key(plain: Server) -> None:
         ({"model": NAME, "messages": HAIKU, "top_k": -5}, 400, "top_k"),
         ({"model": NAME, "prompt": [10**9]}, 400, "token ids"),
         ({"model": NAME, "messages": HAIKU, "padding": "x" * (1 << 20)}, 413, "larger than"),
+        ({"model": NAME, "messages": HAIKU, "seed": 2**80}, 400, "seed"),
+        (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\udcff"}]}', 400,
+         "not valid Unicode"),
+        (b"[" * 5000 + b"]" * 5000, 400, "deeper than"),
+        ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ({"model": NAME, "messages": HAIKU, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({"model": NAME, "messages": HAIKU, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+        (
+            {"model": NAME, "messages": HAIKU, "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            ]},
+            400,
+            "no place for tools",
+        ),
+        ({"model": NAME, "messages": HAIKU, "tool_choice": "required"}, 400, "needs tools"),
+        (
+            {"model": NAME, "messages": [
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                ]},
+            ]},
+            400,
+            "not JSON",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(spec: Server, body: Any, status: int, needle: str) -> None:
@@ -421,6 +359,38 @@ def test_bad_requests_get_openai_errors(spec: Server, body: Any, status: int, ne
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and needle in error["message"]
+
+
+def test_wrong_method_says_which_are_allowed_and_openapi_documents_bodies(spec: Server) -> None:
+    resp = httpx.get(f"{spec.url}/chat/completions", timeout=30)
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    doc = httpx.get(f"{spec.root}/openapi.json", timeout=30).json()
+    for route, model in (("chat/completions", "ChatCompletionRequest"),
+                         ("completions", "CompletionRequest")):
+        op = doc["paths"][f"/v1/{route}"]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}" and "400" in op["responses"]
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"messages", "model", "tools", "tool_choice", "logit_bias"} <= set(chat["properties"])
+    role = doc["components"]["schemas"]["ChatMessage"]["properties"]["role"]
+    assert set(role["enum"]) == {"system", "developer", "user", "assistant", "tool"}
+
+
+def test_logit_bias_changes_the_output_losslessly(spec: Server, plain: Server) -> None:
+    base = _chat(spec, logprobs=True).choices[0]
+    first = base.logprobs.content[0].token
+    ids = Tokenizer.from_gguf(_model_path(spec)).encode(first, add_special_tokens=False)
+    bias = {str(ids[0]): -100}
+    fast = _chat(spec, logit_bias=bias, logprobs=True).choices[0]
+    slow = _chat(plain, KEY, logit_bias=bias).choices[0]
+    assert fast.logprobs.content[0].token != first and fast.message.content == slow.message.content
+    assert fast.message.content != base.message.content
+
+
+def _model_path(server: Server) -> Path:
+    from quickdraft import zoo
+
+    return zoo.fetch("smollm2-135m-instruct", progress=False)
 
 
 def test_errors_through_the_client_and_server_keeps_serving(spec: Server) -> None:

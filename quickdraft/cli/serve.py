@@ -1,5 +1,5 @@
 """``quickdraft serve``: an OpenAI-compatible HTTP server (chat and text completions, streaming,
-structured output, Prometheus metrics) over one model, with lossless speculative decoding.
+structured output, tool calling, Prometheus metrics) over one model, with lossless speculative decoding.
 
 Listens on 127.0.0.1 unless --host says otherwise; with --api-key (or $QUICKDRAFT_API_KEY),
 every route but /health needs ``Authorization: Bearer KEY``. --port 0 picks a free port; the
@@ -43,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the model name clients send (default: the --model argument)",
     )
     g.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+        help="how the model writes tool calls (default: auto, from the chat template's markers; "
+        "none: refuse requests with tools)",
+    )
+    g.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -66,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         info(
             f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it"
         )
-    app = create_app(llm, name, api_key=args.api_key)
+    app = create_app(llm, name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one :class:`~quickdraft.api.LLM`: FastAPI routes, SSE, errors.
 
-Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events,
+Routes: POST /v1/chat/completions (tool calling included, see :mod:`quickdraft.server.tools`) and
+/v1/completions (streamed as server-sent events,
 ``data: {...}\\n\\n`` chunks then ``data: [DONE]\\n\\n``, or whole), GET /v1/models, /health and
 /metrics (Prometheus). Requests are checked here, before they queue (model name, fields, prompt
 and max_tokens against the context, the JSON schema); every failure is an OpenAI error object with
@@ -39,7 +40,18 @@ from quickdraft.server import protocol as p
 from quickdraft.server.grammar import GrammarCompiler
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.protocol import ApiError, error_body
+from quickdraft.server.tools import (
+    ToolCall,
+    ToolFormat,
+    ToolStream,
+    forced_grammar,
+    format_for_template,
+    get_format,
+    parse_output,
+    template_renders_tools,
+)
 from quickdraft.server.worker import EngineWorker, Job
+from quickdraft.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from quickdraft.api import LLM
@@ -47,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("quickdraft.server")
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a body (a tool schema needs a few)
 FINGERPRINT = f"quickdraft-{__version__}"
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
@@ -60,6 +73,8 @@ class _Server:
     worker: EngineWorker
     metrics: ServerMetrics
     grammar: GrammarCompiler
+    tool_format: ToolFormat | None = None  # how this model writes tool calls; None = it cannot
+    tool_parser: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -81,14 +96,28 @@ class _Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     constraint: Constraint | None
+    tools: ToolFormat | None = None  # parse the output for calls in this format
+    tool_names: frozenset[str] = frozenset()  # the request's functions
 
 
-def create_app(llm: LLM, served_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(
+    llm: LLM, served_name: str, api_key: str | None = None, tool_call_parser: str = "auto"
+) -> FastAPI:
     """The app serving ``llm`` as model ``served_name``; with ``api_key``, every route but
-    /health needs ``Authorization: Bearer <api_key>``."""
+    /health needs ``Authorization: Bearer <api_key>``. ``tool_call_parser``: the tool-call
+    format (``auto`` = from the chat template, ``none`` = refuse tools)."""
     metrics = ServerMetrics(llm.prefix_cache)
     worker = EngineWorker(llm.engine, llm.drafter, llm.num_draft, metrics)
-    server = _Server(llm, served_name, worker, metrics, GrammarCompiler(llm.tokenizer))
+    if tool_call_parser == "auto":
+        tool_format = format_for_template(llm.tokenizer.chat_template)
+    elif tool_call_parser == "none":
+        tool_format = None
+    else:
+        tool_format = get_format(tool_call_parser)
+    server = _Server(
+        llm, served_name, worker, metrics, GrammarCompiler(llm.tokenizer), tool_format,
+        tool_call_parser,
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -100,6 +129,7 @@ def create_app(llm: LLM, served_name: str, api_key: str | None = None) -> FastAP
     app = FastAPI(
         title="quickdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     _add_error_handlers(app)
@@ -123,7 +153,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), code=code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),  # 405: Allow
+        )
 
     async def validation_error(_request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(str(exc)), status_code=400)
@@ -175,9 +209,42 @@ async def _read_json(request: Request) -> Any:
             raise too_big
         parts.append(part)
     try:
-        return json.loads(b"".join(parts))
+        data = json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _too_deep() from None
+    _check_json(data)
+    return data
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH}")
+
+
+def _check_json(data: Any) -> None:
+    """Refuse bodies nested deeper than MAX_JSON_DEPTH and strings that are not Unicode text (a
+    lone surrogate such as "\\udcff" is valid JSON but no tokenizer can encode it)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(
+                    400,
+                    f"the request body holds a string that is not valid Unicode text "
+                    f"({exc.reason} at {exc.start}); send UTF-8 text",
+                ) from None
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
 
 
 # ---------------------------------------------------------------------------------------- routes
@@ -201,18 +268,18 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         server.check_model(model)
         return _card(server).model_dump()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(p.ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         req = p.parse_request(p.ChatCompletionRequest, await _read_json(request))
         server.check_model(req.model)
         prepared = await asyncio.to_thread(_prepare_chat, server, req)
         job = _submit(server, prepared)
         if req.stream:
-            return _sse(_chat_events(server, job, req.include_usage()))
+            return _sse(_chat_events(server, job, req.include_usage(), prepared))
         steps = await _collect(request, job)
-        return JSONResponse(_chat_response(server, steps).model_dump())
+        return JSONResponse(_chat_response(server, steps, prepared).model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_doc(p.CompletionRequest))
     async def completions(request: Request) -> Response:
         req = p.parse_request(p.CompletionRequest, await _read_json(request))
         server.check_model(req.model)
@@ -242,15 +309,82 @@ def _submit(server: _Server, prepared: _Prepared) -> Job:
 
 def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
     req.check_supported()
+    req.check_tools()
     messages = [m.to_template() for m in req.messages]
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    fmt = _tool_format(server) if use_tools else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
     try:
-        ids = server.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # type: ignore[arg-type]
+        ids = server.llm.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
     except QuickdraftError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     max_tokens = _max_tokens(server, len(ids), req.requested_max_tokens(), "messages")
-    return _Prepared(
-        ids, req.sampling_params(max_tokens, req.engine_logprobs()), _constraint(server, req)
-    )
+    params = req.sampling_params(max_tokens, req.engine_logprobs(), _vocab(server))
+    constraint = _tool_constraint(server, req, fmt) if fmt is not None else None
+    if constraint is not None and req.json_schema()[0]:
+        raise ApiError(
+            400,
+            "response_format cannot be combined with a forced or strict tool call; "
+            "drop one of them",
+            param="response_format",
+        )
+    names = frozenset(t.function.name for t in req.tools or []) if fmt is not None else frozenset()
+    return _Prepared(ids, params, constraint or _constraint(server, req), fmt, names)
+
+
+def _vocab(server: _Server) -> int:
+    return int(server.llm.target.config.vocab_size)
+
+
+def _tool_format(server: _Server) -> ToolFormat:
+    template = server.llm.tokenizer.chat_template
+    if server.tool_parser == "none":
+        raise ApiError(
+            400, "tool calling is turned off on this server (--tool-call-parser none)",
+            param="tools",
+        )
+    if not template_renders_tools(template):
+        raise ApiError(
+            400,
+            f"the chat template of `{server.name}` has no place for tools, so the model never "
+            "learned to call them; use a model whose template renders tools",
+            param="tools",
+        )
+    if server.tool_format is None:
+        raise ApiError(
+            400,
+            "this model's chat template writes tool calls in a format quickdraft does not "
+            "recognise; start the server with --tool-call-parser hermes, llama3_json or mistral",
+            param="tools",
+        )
+    return server.tool_format
+
+
+def _tool_constraint(
+    server: _Server, req: p.ChatCompletionRequest, fmt: ToolFormat
+) -> Constraint | None:
+    """The grammar of a forced call (tool_choice required or named), or of an answer whose
+    calls to strict functions must match their schemas; None when nothing is forced."""
+    tools = req.tools or []
+    choice = req.tool_choice
+    named = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
+    forced = named is not None or choice == "required"
+    if not forced and not any(t.function.strict for t in tools):
+        return None
+    functions = []
+    for t in tools:
+        if named is not None and t.function.name != named:
+            continue
+        schema = t.function.parameters or {"type": "object", "properties": {}}
+        if not forced and not t.function.strict:
+            schema = {"type": "object"}
+        functions.append((t.function.name, schema))
+    parallel = named is None and req.parallel_tool_calls is not False
+    grammar = forced_grammar(fmt, functions, parallel, not forced, server.grammar.marker)
+    try:
+        return server.grammar.lark(grammar)
+    except QuickdraftError as exc:
+        raise ApiError(400, f"the tools' parameter schemas are not usable: {exc}", param="tools") from None
 
 
 def _prepare_completion(server: _Server, req: p.CompletionRequest) -> _Prepared:
@@ -266,7 +400,8 @@ def _prepare_completion(server: _Server, req: p.CompletionRequest) -> _Prepared:
     max_tokens = _max_tokens(
         server, len(ids), 16 if req.max_tokens is None else req.max_tokens, "prompt"
     )
-    return _Prepared(ids, req.sampling_params(max_tokens, req.logprobs), _constraint(server, req))
+    params = req.sampling_params(max_tokens, req.logprobs, _vocab(server))
+    return _Prepared(ids, params, _constraint(server, req))
 
 
 def _max_tokens(server: _Server, n_prompt: int, asked: int | None, where: str) -> int:
@@ -378,7 +513,9 @@ def _ids() -> tuple[str, int]:
     return uuid.uuid4().hex, int(time.time())
 
 
-def _chat_events(server: _Server, job: Job, include_usage: bool) -> AsyncIterator[str]:
+def _chat_events(
+    server: _Server, job: Job, include_usage: bool, prepared: _Prepared
+) -> AsyncIterator[str]:
     rid, created = _ids()
 
     def chunk(
@@ -407,16 +544,27 @@ def _chat_events(server: _Server, job: Job, include_usage: bool) -> AsyncIterato
     async def events() -> AsyncIterator[str]:
         yield chunk(p.Delta(role="assistant", content=""))
         last = None
+        calls = _CallText(server, prepared) if prepared.tools is not None else None
+        n_calls = 0
         async for step in job.steps():
             last = step
-            if step.text or step.logprobs:
-                yield chunk(
-                    p.Delta(content=step.text), logprobs=_chat_logprobs(server, step.logprobs)
-                )
+            logprobs = _chat_logprobs(server, step.logprobs)
+            if calls is None:
+                if step.text or step.logprobs:
+                    yield chunk(p.Delta(content=step.text), logprobs=logprobs)
+                continue
+            content, done = calls.push(step.token_ids, final=step.finish_reason is not None)
+            if content or logprobs:
+                yield chunk(p.Delta(content=content or None), logprobs=logprobs)
+            for call in done:
+                for delta in _call_deltas(n_calls, call):
+                    yield chunk(delta)
+                n_calls += 1
         if last is None or last.finish_reason is None:
             raise QuickdraftError("the generation was cut short (the server is shutting down)")
         usage = _usage(last.stats)
-        yield chunk(p.Delta(), finish=last.finish_reason, usage=usage)
+        finish = _finish_reason(last.finish_reason, n_calls)
+        yield chunk(p.Delta(), finish=finish, usage=usage)
         if include_usage:
             yield chunk(None, usage=usage)  # OpenAI's stream_options.include_usage chunk
         yield _DONE
@@ -470,19 +618,28 @@ def _completion_events(
     return _guarded(job, events)
 
 
-def _chat_response(server: _Server, steps: list[StepOutput]) -> p.ChatCompletion:
+def _chat_response(server: _Server, steps: list[StepOutput], prepared: _Prepared) -> p.ChatCompletion:
     rid, created = _ids()
     last = steps[-1]
     logprobs = _chat_logprobs(server, _all_logprobs(steps))
-    message = p.ChatMessageOut(content="".join(s.text for s in steps))
+    finish = last.finish_reason
+    if prepared.tools is None:
+        message = p.ChatMessageOut(content="".join(s.text for s in steps))
+    else:
+        text = _CallText(server, prepared).text([t for s in steps for t in s.token_ids])
+        parsed = parse_output(prepared.tools, text, prepared.tool_names)
+        message = p.ChatMessageOut(
+            content=parsed.content or (None if parsed.calls else ""),
+            tool_calls=[p.ToolCallOut.model_validate(c.to_openai()) for c in parsed.calls]
+            or None,
+        )
+        finish = _finish_reason(finish, len(parsed.calls))
     return p.ChatCompletion(
         id=f"chatcmpl-{rid}",
         created=created,
         model=server.name,
         system_fingerprint=FINGERPRINT,
-        choices=[
-            p.ChatChoice(message=message, logprobs=logprobs, finish_reason=last.finish_reason)
-        ],
+        choices=[p.ChatChoice(message=message, logprobs=logprobs, finish_reason=finish)],
         usage=_usage(last.stats),
     )
 
@@ -501,6 +658,119 @@ def _completion_response(server: _Server, steps: list[StepOutput], echo: str) ->
         choices=[choice],
         usage=_usage(last.stats),
     )
+
+
+# ------------------------------------------------------------------------------------ tool calls
+
+
+class _CallText:
+    """The output as text for the tool-call parser: decoded with special tokens kept (some
+    formats open calls with one) and end-of-sequence tokens left out."""
+
+    def __init__(self, server: _Server, prepared: _Prepared) -> None:
+        assert prepared.tools is not None
+        tokenizer = server.llm.tokenizer
+        self.eos = set(tokenizer.eos_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        self.stream = ToolStream(prepared.tools, prepared.tool_names)
+
+    def text(self, ids: list[int]) -> str:
+        return self.detok.push([t for t in ids if t not in self.eos]) + self.detok.flush()
+
+    def push(self, ids: list[int], final: bool) -> tuple[str, list[ToolCall]]:
+        """Content to stream now and the calls completed by these tokens (all at the end)."""
+        text = self.detok.push([t for t in ids if t not in self.eos])
+        if final:
+            text += self.detok.flush()
+        content, calls = self.stream.push(text)
+        if final:
+            more, rest = self.stream.finish()
+            content, calls = content + more, calls + rest
+        return content, calls
+
+
+def _call_deltas(index: int, call: ToolCall) -> list[p.Delta]:
+    """OpenAI's streamed form of one call: id, type and name first, then the arguments."""
+    head = p.ToolCallDelta(
+        index=index, id=call.id, type="function", function=p.FunctionDelta(name=call.name, arguments="")
+    )
+    args = p.ToolCallDelta(index=index, function=p.FunctionDelta(arguments=call.arguments))
+    return [p.Delta(tool_calls=[head]), p.Delta(tool_calls=[args])]
+
+
+def _finish_reason(engine_reason: str | None, n_calls: int) -> str | None:
+    return "tool_calls" if n_calls and engine_reason == "stop" else engine_reason
+
+
+# --------------------------------------------------------------------------------------- OpenAPI
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` of a route that reads its body itself: the body's schema (the pydantic
+    model it is validated with) and the error answers."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    errors = {
+        str(code): {"description": what, "content": {"application/json": {"schema": error}}}
+        for code, what in (
+            (400, "invalid request"),
+            (401, "missing or wrong API key"),
+            (404, "unknown model"),
+            (413, "body too large"),
+            (429, "too many requests waiting"),
+        )
+    }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "the completion, or with stream: true a text/event-stream of chunks",
+                "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **errors,
+        },
+        "x-quickdraft-schema": schema,
+    }
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document with the request bodies' schemas moved into components."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path in doc.get("paths", {}).values():
+        for op in path.values():
+            schema = op.pop("x-quickdraft-schema", None)
+            if schema is None:
+                continue
+            defs = schema.pop("$defs", {})
+            components.update(defs)
+            name = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+            components[name] = schema
+    components["ErrorResponse"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    }
+    app.openapi_schema = doc
+    return doc
 
 
 def _usage(stats: RequestStats) -> p.Usage:

@@ -60,15 +60,36 @@ class GrammarCompiler:
             found = self._texts[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return found
 
+    def marker(self, text: str) -> str:
+        """``text`` for a Lark grammar: ``<[id]>`` when it is one special token of this
+        vocabulary (llguidance matches special tokens by id only), else a quoted string."""
+        import json
+
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
     def json(self, schema: dict[str, Any] | None) -> JsonConstraint:
         """A constraint to JSON matching ``schema``; None = any JSON object."""
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema or ANY_JSON_OBJECT)
         except (ValueError, TypeError) as exc:
             raise QuickdraftError(f"the JSON schema is not usable: {exc}") from exc
+        return self._constraint(grammar, "the JSON schema")
+
+    def lark(self, grammar: str) -> JsonConstraint:
+        """A constraint to a Lark grammar in llguidance's dialect (``%json`` embeds schemas)."""
+        try:
+            compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+        except (ValueError, TypeError) as exc:
+            raise QuickdraftError(f"the grammar is not usable: {exc}") from exc
+        return self._constraint(compiled, "the grammar")
+
+    def _constraint(self, grammar: str, what: str) -> JsonConstraint:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise QuickdraftError(f"the JSON schema is not usable: {matcher.get_error()}")
+            raise QuickdraftError(f"{what} is not usable: {matcher.get_error()}")
         return JsonConstraint(matcher, self.eos_ids)
 
 

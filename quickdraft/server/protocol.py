@@ -89,6 +89,9 @@ class ResponseFormat(_Lenient):
     json_schema: JsonSchemaFormat | None = None
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator can be seeded with
+
+
 class _GenerationRequest(_Lenient):
     """Fields shared by chat and text completions."""
 
@@ -101,7 +104,7 @@ class _GenerationRequest(_Lenient):
     repetition_penalty: float | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -110,6 +113,10 @@ class _GenerationRequest(_Lenient):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        description="token id (as a string) -> bias in [-100, 100] added to its logit",
+    )
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -143,8 +150,34 @@ class _GenerationRequest(_Lenient):
         assert fmt.json_schema is not None
         return True, fmt.json_schema.schema_
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def logit_bias_items(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as sorted (token id, bias) pairs, each checked."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ApiError(
+                    400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+            if not 0 <= token < vocab_size:
+                raise ApiError(
+                    400, f"logit_bias token id {token} is not in [0, {vocab_size})",
+                    param="logit_bias",
+                )
+            if not -100 <= bias <= 100:
+                raise ApiError(
+                    400, f"logit_bias values must be in [-100, 100], got {bias}",
+                    param="logit_bias",
+                )
+            out.append((token, float(bias)))
+        return tuple(sorted(out))
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, vocab_size: int
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logit_bias = self.logit_bias_items(vocab_size)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -162,6 +195,7 @@ class _GenerationRequest(_Lenient):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                logit_bias=logit_bias,
             )
         except QuickdraftError as exc:
             raise ApiError(400, str(exc)) from None
@@ -172,13 +206,27 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Lenient):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def to_template(self) -> dict[str, str]:
-        """The message as chat templates expect it: role and plain-text content."""
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: role, plain-text content, and the tool
+        fields transformers passes (a call's arguments as an object, not JSON text)."""
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name
         if isinstance(self.content, list):
             if any(p.type != "text" or p.text is None for p in self.content):
@@ -186,10 +234,52 @@ class ChatMessage(_Lenient):
             content = "".join(p.text or "" for p in self.content)
         else:
             content = self.content or ""
-        out = {"role": role, "content": content}
+        out: dict[str, Any] = {"role": role, "content": content}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            if role != "assistant":
+                raise ApiError(400, "only assistant messages carry tool_calls", param="messages")
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _call_for_template(call: ToolCallIn) -> dict[str, Any]:
+    import json
+
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise ApiError(
+            400,
+            f"tool_calls: the arguments of {call.function.name!r} are not JSON text",
+            param="messages",
+        ) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -197,6 +287,23 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools: every function needs its own name", param="tools")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ApiError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -272,9 +379,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -294,9 +420,30 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:

@@ -1,0 +1,438 @@
+"""OpenAI tool calling: the formats models write tool calls in, parsing them, streaming them, and
+the grammars that force them.
+
+A model learns one way to write a call during training, and its chat template (which renders the
+``tools`` list into the prompt) names it. Three families cover the open models:
+
+- ``hermes`` (Qwen2.5/Qwen3, Hermes, many fine-tunes): ``<tool_call>\\n{"name": ..., "arguments":
+  {...}}\\n</tool_call>``, one block per call, text before the first block is content;
+- ``llama3_json`` (Llama 3.1-3.3): the whole answer is ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``; several calls joined by ``;``);
+- ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
+
+:func:`format_for_template` picks the family from the template's text (the marker it writes);
+``quickdraft serve --tool-call-parser`` overrides it. Parsing works on the output text decoded
+with special tokens kept (``[TOOL_CALLS]`` is one), end-of-sequence tokens left out.
+
+Output the model meant as a call but wrote badly (a block with broken JSON, an unknown shape) is
+returned as content and logged as a warning; it never fails the request.
+
+Forced calls (``tool_choice: "required"`` or a named function, or any function with
+``strict: true``) become an llguidance Lark grammar: the family's frame around ``%json`` of the
+function's parameters schema, so the arguments are valid for the schema. Speculation stays
+lossless under it exactly as under ``response_format``: the mask of a position depends on the
+prefix alone (see :mod:`quickdraft.server.grammar`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("quickdraft.server")
+
+FAMILIES = ("hermes", "llama3_json", "mistral")
+
+# Writes a marker into a grammar: a special token by id (``<[151657]>``: the tokenizer has it as
+# one token the model emits, which a quoted string would not match), else a quoted string.
+MarkerWriter = Callable[[str], str]
+
+
+def quoted(text: str) -> str:
+    return json.dumps(text)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+    id: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str  # text that is not a call ("" when there is none)
+    calls: list[ToolCall]
+
+
+class Malformed(ValueError):
+    """The text is shaped like a tool call but is not one."""
+
+
+def _call_from_object(obj: Any, args_keys: Sequence[str]) -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise Malformed(f"a tool call must be an object with a 'name': {obj!r:.200}")
+    args: Any = {}
+    for key in args_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments already encoded
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise Malformed(f"the arguments of {obj['name']!r} are not JSON: {args!r:.200}") from None
+    if not isinstance(args, dict):
+        raise Malformed(f"the arguments of {obj['name']!r} must be a JSON object: {args!r:.200}")
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+
+
+class ToolFormat:
+    """One family: how calls start in the text, how to parse them, and their grammar."""
+
+    name = ""
+    start = ""  # the text that opens a call
+
+    def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
+        """Content and calls of a whole output; raises :class:`Malformed`. ``names``: the
+        request's functions (a format may accept a bare call to one of them)."""
+        raise NotImplementedError
+
+    def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
+        """Lark rules (``calls: ...``) for one or more calls; ``schema`` is the JSON of the
+        call object's schema (anyOf over the allowed functions); ``lit`` writes a marker."""
+        raise NotImplementedError
+
+    def call_schema(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+
+
+_FENCE = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.S)
+
+
+def bare_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
+    """A whole answer made of call objects without their tags (Qwen2.5-Coder often writes
+    ``{"name": ..., "arguments": ...}`` bare, one per line, or in a json code fence), each
+    naming one of the request's functions; [] for anything else (an answer that is merely JSON
+    stays content)."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1)
+    if not body.startswith("{") or not names:
+        return []
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return []
+        keys = set(obj) if isinstance(obj, dict) else set()
+        if (
+            not isinstance(obj, dict)
+            or obj.get("name") not in names
+            or not keys & {"arguments", "parameters"}
+            or not keys <= {"name", "arguments", "parameters"}
+        ):
+            return []
+        try:
+            calls.append(_call_from_object(obj, ("arguments", "parameters")))
+        except Malformed:
+            return []
+        while pos < len(body) and body[pos] in " \t\r\n":
+            pos += 1
+    return calls
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+
+    def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
+        first = text.find(self.start)
+        if first < 0:
+            calls = bare_calls(text, names)
+            return Parsed("", calls) if calls else Parsed(text, [])
+        calls: list[ToolCall] = []
+        for m in self._block.finditer(text, first):
+            body = m.group(1).strip()
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                raise Malformed(f"a <tool_call> block is not JSON: {body!r:.200}") from None
+            calls.append(_call_from_object(obj, ("arguments", "parameters")))
+        rest = self._block.sub("", text[first:]).strip()
+        if rest:
+            raise Malformed(f"text between or after the tool calls: {rest!r:.200}")
+        return Parsed(text[:first].rstrip(), calls)
+
+    def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
+        many = "call+" if parallel else "call"
+        return (
+            f"calls: {many}\n"
+            f"call: {lit(self.start)} call_body\n"
+            f'call_body: "\\n" %json {schema} "\\n" {lit(self.end)} "\\n"?\n'
+            f"after_open: call_body{' call*' if parallel else ''}\n"
+        )
+
+
+class Llama3JsonFormat(ToolFormat):
+    name = "llama3_json"
+    start = "{"
+    tag = "<|python_tag|>"
+
+    def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
+        body = text.strip()
+        if body.startswith(self.tag):
+            body = body[len(self.tag) :].strip()
+        elif not body.startswith("{"):
+            return Parsed(text, [])
+        calls: list[ToolCall] = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, pos)
+            except ValueError:
+                if not calls and not text.strip().startswith(self.tag):
+                    return Parsed(text, [])  # plain text that starts with a brace
+                raise Malformed(f"a tool call is not JSON: {body[pos:]!r:.200}") from None
+            if not calls and not (isinstance(obj, dict) and "name" in obj):
+                return Parsed(text, [])  # a JSON answer, not a call
+            calls.append(_call_from_object(obj, ("parameters", "arguments")))
+            pos = end
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        return Parsed("", calls)
+
+    def call_schema(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+
+    def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
+        many = 'call ("; " call)*' if parallel else "call"
+        return f"calls: {many}\ncall: %json {schema}\n"
+
+
+class MistralFormat(ToolFormat):
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+
+    def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
+        first = text.find(self.start)
+        if first < 0:
+            return Parsed(text, [])
+        body = text[first + len(self.start) :].strip()
+        try:
+            objs = json.loads(body)
+        except ValueError:
+            raise Malformed(f"[TOOL_CALLS] is not followed by JSON: {body!r:.200}") from None
+        if isinstance(objs, dict):
+            objs = [objs]
+        if not isinstance(objs, list) or not objs:
+            raise Malformed(f"[TOOL_CALLS] must be followed by a list of calls: {body!r:.200}")
+        calls = [_call_from_object(o, ("arguments", "parameters")) for o in objs]
+        return Parsed(text[:first].rstrip(), calls)
+
+    def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
+        items = {"type": "array", "items": json.loads(schema), "minItems": 1}
+        if not parallel:
+            items["maxItems"] = 1
+        return f"calls: {lit(self.start)} after_open\nafter_open: %json {json.dumps(items)}\n"
+
+
+_FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())
+}
+
+
+def get_format(name: str) -> ToolFormat:
+    try:
+        return _FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown tool-call format {name!r}; choose one of {', '.join(FAMILIES)}"
+        ) from None
+
+
+def template_renders_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in str(template)
+
+
+def format_for_template(template: str | None) -> ToolFormat | None:
+    """The family a chat template writes calls in, from the markers it contains; None when the
+    template shows no tool calls at all."""
+    if not template_renders_tools(template):
+        return None
+    text = str(template)
+    if "<tool_call>" in text:
+        return _FORMATS["hermes"]
+    if "[TOOL_CALLS]" in text:
+        return _FORMATS["mistral"]
+    if "<|python_tag|>" in text or "ipython" in text:
+        return _FORMATS["llama3_json"]
+    return None
+
+
+def parse_output(fmt: ToolFormat, text: str, names: frozenset[str] = frozenset()) -> Parsed:
+    """Content and calls of a whole output; malformed calls come back as content (logged)."""
+    try:
+        return fmt.parse(text, names)
+    except Malformed as exc:
+        log.warning("tool call output not understood, returned as content: %s", exc)
+        return Parsed(text, [])
+
+
+class ToolStream:
+    """Splits streamed output text into content to show now and tool calls once complete.
+
+    Content is passed on as it comes, except a tail that could be the start of a call marker
+    (held back until the next text decides). From the marker on, text is held until
+    :meth:`finish` (or, for ``hermes``, until each ``</tool_call>``), then parsed: a good call
+    becomes a :class:`ToolCall`, anything malformed goes out as content after all.
+    """
+
+    def __init__(self, fmt: ToolFormat, names: frozenset[str] = frozenset()) -> None:
+        self.fmt = fmt
+        self.names = names
+        self.buffer = ""
+        self.in_calls = False
+        self.bare = False  # hermes: the answer opened like a bare call object; held to the end
+        self.seen_text = False  # the answer's opening is decided (llama3_json, bare calls)
+        self.calls: list[ToolCall] = []
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Content to emit now, and calls completed by this text."""
+        self.buffer += text
+        out = ""
+        if not self.in_calls:
+            out = self._content()
+        if self.in_calls and isinstance(self.fmt, HermesFormat) and not self.bare:
+            return out, self._hermes_blocks()
+        return out, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """Everything still held: the last content and calls."""
+        rest, self.buffer = self.buffer, ""
+        if not self.in_calls:
+            return rest, []
+        parsed = parse_output(self.fmt, rest, self.names)
+        self.calls += parsed.calls
+        content = parsed.content
+        if not parsed.calls and self.calls and content:
+            content = "\n" + content
+        return content, parsed.calls
+
+    def _content(self) -> str:
+        fmt = self.fmt
+        if isinstance(fmt, Llama3JsonFormat):
+            if self.seen_text:
+                out, self.buffer = self.buffer, ""
+                return out
+            stripped = self.buffer.lstrip()
+            if not stripped:
+                return ""
+            if stripped.startswith(("{", fmt.tag)) or fmt.tag.startswith(stripped):
+                if stripped.startswith(("{", fmt.tag)):
+                    self.in_calls = True
+                return ""
+            self.seen_text = True
+            out, self.buffer = self.buffer, ""
+            return out
+        if isinstance(fmt, HermesFormat) and self.names and not self.seen_text:
+            stripped = self.buffer.lstrip()
+            if not stripped or "```".startswith(stripped):
+                return ""
+            if stripped.startswith(("{", "```")):
+                self.in_calls = self.bare = True
+                return ""
+            self.seen_text = True
+        at = self.buffer.find(fmt.start)
+        if at >= 0:
+            out = self.buffer[:at]
+            self.buffer = self.buffer[at:]
+            self.in_calls = True
+            return out.rstrip() if isinstance(fmt, HermesFormat) else out
+        hold = _partial_suffix(self.buffer, fmt.start)
+        out = self.buffer[: len(self.buffer) - hold]
+        self.buffer = self.buffer[len(out) :]
+        return out
+
+    def _hermes_blocks(self) -> list[ToolCall]:
+        fmt = self.fmt
+        assert isinstance(fmt, HermesFormat)
+        done: list[ToolCall] = []
+        while True:
+            end = self.buffer.find(fmt.end)
+            if end < 0:
+                return done
+            block = self.buffer[: end + len(fmt.end)]
+            try:
+                parsed = fmt.parse(block.strip())
+            except Malformed:
+                return done  # left for finish(), which returns it as content
+            self.buffer = self.buffer[end + len(fmt.end) :].lstrip()
+            self.calls += parsed.calls
+            done += parsed.calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def forced_grammar(
+    fmt: ToolFormat,
+    functions: Sequence[tuple[str, dict[str, Any]]],
+    parallel: bool,
+    free_text: bool,
+    lit: MarkerWriter = quoted,
+) -> str:
+    """The Lark grammar of an answer made of calls to ``functions`` ((name, parameters schema)).
+
+    ``free_text``: the answer may also be plain text (``tool_choice: "auto"`` with strict
+    functions): then either text that never opens a call, or (hermes, mistral) such text then
+    the calls. Where the marker is a special token, text cannot contain it anyway.
+    """
+    schemas = [fmt.call_schema(name, params) for name, params in functions]
+    schema = json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    rules = fmt.call_grammar(schema, parallel, lit)
+    if not free_text:
+        return f"%llguidance {{}}\nstart: calls\n{rules}"
+    if isinstance(fmt, Llama3JsonFormat):  # text that does not open with a brace, or calls
+        return "%llguidance {}\nstart: calls | TEXT\nTEXT: /[^{\\s](.|\\n)*/\n" + rules
+    if lit(fmt.start) != quoted(fmt.start):  # a special token: no text can contain it
+        return f"%llguidance {{}}\nstart: TEXT | TEXT? calls\nTEXT: /(.|\\n)+/\n{rules}"
+    # A text marker: one lexeme runs from the answer's start to the marker's first occurrence
+    # (two lexemes, text then marker, would be ambiguous to a longest-match lexer).
+    marker = re.escape(fmt.start).replace("/", "\\/")
+    return (
+        "%llguidance {}\n"
+        "start: TEXT | OPEN after_open\n"
+        f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
+        f"NOMARK: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
+        f"OPEN: NOMARK {quoted(fmt.start)}\n"
+        f"{rules}"
+    )
