@@ -166,8 +166,8 @@ class HermesFormat(ToolFormat):
     def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
         first = text.find(self.start)
         if first < 0:
-            calls = bare_calls(text, names)
-            return Parsed("", calls) if calls else Parsed(text, [])
+            bare = bare_calls(text, names)
+            return Parsed("", bare) if bare else Parsed(text, [])
         calls: list[ToolCall] = []
         for m in self._block.finditer(text, first):
             body = m.group(1).strip()
