@@ -18,8 +18,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import schemathesis
 import torch
+from hypothesis import HealthCheck, settings
 from live_server import CONTEXT, KEY, NAME, Server, start_server, stop_server
+from schemathesis import GenerationMode
 
 from quickdraft.cli.main import main
 from quickdraft.errors import QuickdraftError
@@ -483,3 +486,70 @@ def test_bench_against_the_server(spec: Server, smollm2_gguf: Path, tmp_path: Pa
     (record,) = report["records"]
     assert record["output_tokens"] == 8 and record["finish_reason"] == "length"
     assert record["ttft"] > 0 and record["tokens_per_second"] > 0
+
+
+# ------------------------------------------------------------------------------- API fuzzing
+
+
+FUZZ_EXAMPLES = 50  # per operation and data kind (valid, invalid): a few hundred requests
+
+
+def _fuzz_runner(
+    op: Any, mode: Any, status: dict[str, dict[int, int]], bad: list[str]
+) -> Any:
+    """A hypothesis test sending FUZZ_EXAMPLES requests of ``op`` in ``mode`` (valid or invalid
+    data); counts their status codes and records every answer that is wrong."""
+    from hypothesis import given
+
+    has_body = op.method.upper() == "POST"
+
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,  # the same requests every run
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    def run(case: Any) -> None:
+        if isinstance(case.body, dict) and has_body:
+            if mode == GenerationMode.POSITIVE:
+                case.body["model"] = NAME  # else nearly every valid body is a 404
+            for key in ("max_tokens", "max_completion_tokens"):
+                value = case.body.get(key)
+                if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 4):
+                    case.body[key] = 4
+        response = case.call(timeout=60)
+        counts = status.setdefault(op.label, {})
+        counts[response.status_code] = counts.get(response.status_code, 0) + 1
+        if response.status_code >= 500:
+            bad.append(f"{op.label} {case.body!r:.300} -> {response.status_code} {response.text:.300}")
+        elif response.status_code >= 400 and response.status_code != 405:
+            error = response.json().get("error", {})
+            if set(error) != {"message", "type", "param", "code"}:
+                bad.append(f"{op.label} {case.body!r:.300}: not an OpenAI error: {response.text:.300}")
+
+    return run
+
+
+def test_fuzzed_requests_never_get_a_server_error(spec: Server) -> None:
+    """schemathesis builds requests from /openapi.json (bodies from the request schemas, valid
+    ones and ones that break them) for every operation; every answer must be < 500, an error
+    must be OpenAI's error object, and the server must still answer afterwards. Generation is
+    kept short (max_tokens <= 4) so the run stays bounded."""
+    schema = schemathesis.openapi.from_url(f"{spec.root}/openapi.json")
+    status: dict[str, dict[int, int]] = {}  # operation -> status -> count
+    bad: list[str] = []
+    operations = [op.ok() for op in schema.get_all_operations()]
+    assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions"}
+    for op in operations:
+        modes = [GenerationMode.POSITIVE]
+        if op.method.upper() == "POST":  # GETs take nothing that could be invalid
+            modes.append(GenerationMode.NEGATIVE)
+        for mode in modes:
+            _fuzz_runner(op, mode, status, bad)()
+    total = sum(sum(c.values()) for c in status.values())
+    print(f"\nschemathesis {schemathesis.SCHEMATHESIS_VERSION}: {total} requests", json.dumps(status, sort_keys=True))
+    assert not bad, "\n".join(bad[:10])
+    assert total >= 200
+    assert _chat(spec, max_tokens=2).choices[0].message.content  # still serving
