@@ -779,6 +779,7 @@ def _usage(stats: RequestStats) -> p.Usage:
         accepted=stats.accepted,
         tau=stats.tau,
         tokens_per_second=stats.tokens_per_second,
+        ttft_s=round(stats.ttft, 4),
     )
     return p.Usage(
         prompt_tokens=stats.prompt_tokens,

@@ -351,6 +351,7 @@ class SpecUsage(BaseModel):
     accepted: int
     tau: float
     tokens_per_second: float
+    ttft_s: float  # request start (on the engine) to the first output token
 
 
 class PromptTokensDetails(BaseModel):
