@@ -5,7 +5,7 @@ result), with speculation on and off.
 Two servers run for the module: the default drafter (``auto``: the 0.5B draft model and lookup)
 and ``--draft none``. Greedy
 answers must be identical between them, tool calls included: speculation is lossless, forced calls
-(a grammar) and ``logit_bias`` included. The last test drives a real agent framework (LangChain's
+(a grammar) included; ``logit_bias`` is tested in test_server.py. The last test drives a real agent framework (LangChain's
 ``ChatOpenAI.bind_tools``, a test-only dependency) through a two-tool loop to a final answer.
 """
 
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from live_server import Server, start_server, stop_server
 
@@ -91,6 +90,7 @@ def test_auto_tool_call_is_parsed_and_lossless(agents: tuple[Server, Server]) ->
     assert msg.tool_calls[0].id.startswith("call_") and msg.tool_calls[0].type == "function"
     assert _calls(msg) == _calls(slow.choices[0].message)
     assert msg.content == slow.choices[0].message.content
+    _streamed_equals(spec, fast.choices[0])
     # Without tools the same question is answered as text, with no calls.
     text = _ask(spec, max_tokens=16).choices[0]
     assert text.message.tool_calls is None and text.finish_reason in ("stop", "length")
@@ -99,9 +99,7 @@ def test_auto_tool_call_is_parsed_and_lossless(agents: tuple[Server, Server]) ->
     assert none.message.tool_calls is None and none.finish_reason != "tool_calls"
 
 
-def test_streamed_tool_calls_equal_the_whole_answer(agents: tuple[Server, Server]) -> None:
-    spec, _ = agents
-    whole = _ask(spec, tools=TOOLS).choices[0]
+def _streamed_equals(spec: Server, whole: Any) -> None:
     chunks = list(_ask(spec, tools=TOOLS, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls: dict[int, dict[str, str]] = {}
@@ -146,34 +144,6 @@ def test_strict_functions_constrain_calls_but_allow_text(agents: tuple[Server, S
     hello = [{"role": "user", "content": "Say hello in French, one word."}]
     text = _ask(spec, messages=hello, tools=strict, max_tokens=8).choices[0]
     assert text.message.tool_calls is None and text.message.content.strip()
-
-
-def test_logit_bias_is_honoured_and_lossless(agents: tuple[Server, Server]) -> None:
-    spec, plain = agents
-    q = [{"role": "user", "content": "Name a colour."}]
-    base = _ask(spec, messages=q, max_tokens=8, logprobs=True).choices[0]
-    first = base.logprobs.content[0].token
-    ids = _token_ids(first)
-    bias = {str(i): -100 for i in ids}
-    fast = _ask(spec, messages=q, max_tokens=8, logit_bias=bias, logprobs=True).choices[0]
-    slow = _ask(plain, messages=q, max_tokens=8, logit_bias=bias).choices[0]
-    assert fast.logprobs.content[0].token != first  # the banned token never comes out
-    assert fast.message.content == slow.message.content
-    forced = _ask(spec, messages=q, max_tokens=3, logit_bias={str(ids[0]): 100}).choices[0]
-    assert forced.message.content.startswith(first)
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        _ask(spec, messages=q, logit_bias={"not-a-token": 1})
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        _ask(spec, messages=q, logit_bias={"5": 1000})
-
-
-def _token_ids(text: str) -> list[int]:
-    from quickdraft import zoo
-    from quickdraft.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(zoo.fetch("qwen2.5-coder-1.5b-instruct", progress=False))
-    ids: list[int] = tok.encode(text, add_special_tokens=False)
-    return ids
 
 
 def _agent_loop(server: Server) -> tuple[list[tuple[str, dict[str, Any]]], str]:

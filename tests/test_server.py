@@ -109,7 +109,8 @@ def test_chat_stream_equals_whole_and_has_usage(spec: Server) -> None:
         and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     )
     extra = usage.model_extra["quickdraft"]
-    assert set(extra) == {"drafted", "accepted", "tau", "tokens_per_second"} and extra["tau"] >= 1
+    assert set(extra) == {"drafted", "accepted", "tau", "tokens_per_second", "ttft_s"}
+    assert extra["tau"] >= 1 and 0 < extra["ttft_s"] < 60
 
     chunks = list(_chat(spec, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -491,7 +492,7 @@ def test_bench_against_the_server(spec: Server, smollm2_gguf: Path, tmp_path: Pa
 # ------------------------------------------------------------------------------- API fuzzing
 
 
-FUZZ_EXAMPLES = 50  # per operation and data kind (valid, invalid): a few hundred requests
+FUZZ_EXAMPLES = 40  # per operation and data kind (valid, invalid): ~200 requests
 
 
 def _fuzz_runner(
@@ -551,5 +552,5 @@ def test_fuzzed_requests_never_get_a_server_error(spec: Server) -> None:
     total = sum(sum(c.values()) for c in status.values())
     print(f"\nschemathesis {schemathesis.SCHEMATHESIS_VERSION}: {total} requests", json.dumps(status, sort_keys=True))
     assert not bad, "\n".join(bad[:10])
-    assert total >= 200
+    assert total >= 150
     assert _chat(spec, max_tokens=2).choices[0].message.content  # still serving
