@@ -340,6 +340,8 @@ def test_api_key(plain: Server) -> None:
             "no place for tools",
         ),
         ({"model": NAME, "messages": HAIKU, "tool_choice": "required"}, 400, "needs tools"),
+        ({"model": NAME, "messages": HAIKU, "functions": [{"name": "f"}]}, 400, "deprecated"),
+        ({"model": NAME, "messages": HAIKU, "modalities": ["audio"]}, 400, "only text"),
         (
             {"model": NAME, "messages": [
                 {"role": "assistant", "content": "", "tool_calls": [

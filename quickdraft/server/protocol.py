@@ -290,8 +290,20 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
     def check_tools(self) -> None:
+        if self.functions is not None or self.function_call is not None:
+            raise ApiError(
+                400,
+                "functions and function_call are OpenAI's deprecated form; send tools and "
+                "tool_choice instead",
+                param="functions" if self.functions is not None else "function_call",
+            )
+        if self.modalities not in (None, ["text"]):
+            raise ApiError(400, "only text output is supported (modalities: ['text'])", param="modalities")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ApiError(400, "tools: every function needs its own name", param="tools")
