@@ -190,7 +190,7 @@ def test_jsonl_errors_name_the_line(tmp_path: Path, line: str, message: str) -> 
 
 
 def test_unknown_dataset_is_a_clear_error() -> None:
-    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, cnndm, cnndm-10k, agent, edit or a JSONL file"):
+    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, cnndm, cnndm-10k, agent, edit, code-qa or a JSONL file"):
         datasets.load_dataset("no-such-set")
 
 
@@ -772,4 +772,7 @@ def test_long_input_sets_parse_and_edit_tasks_carry_whole_modules() -> None:
     edits = datasets.edit_items(2)
     assert [i.id for i in edits] == ["edit/fnmatch.py", "edit/bisect.py"]
     assert "def fnmatch(" in edits[0].turns[0] and "Add type hints" in edits[0].turns[0]
+    qa = datasets.load_dataset("code-qa", 5, progress=False).items
+    assert [i.id for i in qa][:2] == ["code-qa/textwrap.py", "code-qa/shlex.py"] and len(qa) == 5
+    assert "class TextWrapper" in qa[0].turns[0] and qa[0].turns[0].endswith("break a line.")
     assert {"cnndm", "cnndm-10k"} <= set(datasets.PROMPT_SETS) and datasets.PROMPT_SETS["cnndm"].sdist

@@ -39,7 +39,13 @@ from quickdraft.speculative.eagle3.head import (
     default_aux_layers,
     init_head_weights,
 )
-from quickdraft.speculative.eagle3.io import build_head, is_head, load_head, save_head
+from quickdraft.speculative.eagle3.io import (
+    SPECULATORS_LAYOUT,
+    build_head,
+    is_head,
+    load_head,
+    save_head,
+)
 from quickdraft.speculative.factory import SpecConfig, build_drafter, build_eagle3_drafter
 from quickdraft.speculative.policy import AutoDrafter, TargetCost
 from quickdraft.speculative.tree import DraftTree
@@ -393,6 +399,11 @@ def _mutations() -> list[tuple[str, Any, str]]:
         ("missing", tensors(lambda t: t.pop("midlayer.mlp.up_proj.weight")), "lacks tensor"),
         ("second layer", tensors(lambda t: t.update({"layers.1.mlp.up_proj.weight": torch.zeros(1)})), "more than one decoder layer"),
         ("norm_before_fc", tensors(lambda t: t.update({"input_norm.weight": torch.zeros(192)})), "norm_before_fc"),
+        ("fc_norm tensor", tensors(lambda t: t.update({"fc_norm.0.weight": torch.zeros(64)})), "fc_norm"),
+        ("fc_norm key", cfg(lambda c: c.update(fc_norm=True)), "fc_norm: true"),
+        ("qwen3 layer", tensors(lambda t: t.update({"midlayer.self_attn.k_norm.weight": torch.zeros(16)})),
+         "Qwen3-style"),
+        ("specforge norm_output", cfg(lambda c: c.update(norm_output=False)), "norm_output: false"),
     ]
 
 
@@ -409,6 +420,19 @@ def test_mismatched_heads_are_refused(random_target: LoadedModel, tmp_path: Path
         save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(QuickdraftError, match=message):
         load_head(folder, random_target.model)
+
+
+def test_speculators_norm_output_is_refused_not_run_wrong(random_target: LoadedModel, tmp_path: Path) -> None:
+    head = random_head(random_target, seed=4)
+    folder = save_head(head, tmp_path / "spec", layout=SPECULATORS_LAYOUT)
+    load_head(folder, random_target.model)  # the plain variant loads
+    _edit_config(folder, lambda c: c.update(norm_output=True))
+    with pytest.raises(QuickdraftError, match="norm_output: true"):
+        load_head(folder, random_target.model)
+    # In the HF/EAGLE layout the same key (SpecForge's, true = norm before lm_head) is standard.
+    hf = save_head(head, tmp_path / "hf")
+    _edit_config(hf, lambda c: c.update(norm_output=True))
+    load_head(hf, random_target.model)
 
 
 def test_a_model_folder_is_not_a_head(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ sets measure what a real session costs: every turn sends the whole conversation 
   with a question about the last one (from the llama-recipes sdist's H2O summarisation data).
 - ``edit``: a whole standard-library module (1.5k-5k tokens) and an instruction that rewrites it
   (type hints, a renamed function, a dataclass): the answer copies most of the input.
+- ``code-qa``: a whole standard-library module and a question about it whose answer is prose,
+  not a copy (how a function works, where a bug could hide): long input, little to look up.
 
 A JSONL file holds one object per line, in one of three shapes::
 
@@ -231,16 +233,36 @@ EDIT_TASKS = (
 
 def edit_items(num: int | None = None) -> list[Item]:
     """A standard-library module and an instruction that rewrites it (the answer copies most of it)."""
+    return _module_items("edit", EDIT_TASKS, num)
+
+
+CODE_QA_TASKS = (
+    ("textwrap.py", "Explain in a short paragraph how TextWrapper decides where to break a line."),
+    ("shlex.py", "Which states does the shlex lexer move through while reading a quoted string? "
+                 "Answer briefly in your own words."),
+    ("bisect.py", "What is the time complexity of insort_left, and why is it not O(log n) overall?"),
+    ("fnmatch.py", "How does fnmatch avoid translating the same pattern twice? Answer in two sentences."),
+    ("heapq.py", "Why does heappop move the last element to the root and sift it down instead of "
+                 "removing the root directly? Answer briefly."),
+)
+
+
+def code_qa_items(num: int | None = None) -> list[Item]:
+    """A standard-library module and a question whose answer does not copy it."""
+    return _module_items("code-qa", CODE_QA_TASKS, num)
+
+
+def _module_items(prefix: str, tasks: Sequence[tuple[str, str]], num: int | None) -> list[Item]:
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     items = []
-    for name, ask in EDIT_TASKS[:num]:
+    for name, ask in tasks[:num]:
         try:
             source = (stdlib / name).read_text(encoding="utf-8")
         except OSError:
             continue
-        items.append(Item(f"edit/{name}", (f"```python\n{source}```\n\n{ask}",)))
+        items.append(Item(f"{prefix}/{name}", (f"```python\n{source}```\n\n{ask}",)))
     return items
 
 
@@ -291,6 +313,7 @@ PROMPT_SETS["cnndm-10k"] = PromptSet(*CNNDM, _parse_cnndm_long, sdist=True)
 BUILT_IN = {
     "agent": ("an agent-like trace over Python's standard library", agent_items),
     "edit": ("rewrite a whole standard-library module", edit_items),
+    "code-qa": ("a question about a whole standard-library module", code_qa_items),
 }
 _ALIASES = {
     "human-eval": "humaneval",

@@ -334,6 +334,16 @@ def _normalize_tensors(raw: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
             raise QuickdraftError(
                 f"{path} has more than one decoder layer ({name}); only single-layer EAGLE-3 heads are supported"
             )
+        if norm.startswith("fc_norm"):
+            raise QuickdraftError(
+                f"{path} normalises the fused features after fc (fc_norm, tensor {name}); that "
+                "variant is not supported yet, and running it without the norm would draft worse"
+            )
+        if norm.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            raise QuickdraftError(
+                f"{path} has a Qwen3-style decoder layer (per-head q/k norms, {name}); only "
+                "Llama-style EAGLE-3 layers are supported yet"
+            )
         if norm == "input_norm.weight":
             raise QuickdraftError(
                 f"{path} normalises the target features before fc (norm_before_fc, gpt-oss heads); "
@@ -356,6 +366,28 @@ def _layout(config: dict[str, Any] | None, raw: dict[str, Tensor]) -> str:
     return HF_LAYOUT
 
 
+def _refuse_unsupported_options(config: dict[str, Any], layout: str, path: Path) -> None:
+    """Options that change a head's maths and that quickdraft does not compute yet: loading such a
+    head anyway would draft silently worse. One key, two meanings: speculators' ``norm_output``
+    (EAGLE-3.1: the normalised state is what the next drafting step consumes) against SpecForge's
+    (default true: the state is normalised before lm_head, which every head does); the layout says
+    which one the file means."""
+    layer = config.get("transformer_layer_config") or {}
+    norm_output = config.get("norm_output", layer.get("norm_output"))
+    if layout == SPECULATORS_LAYOUT and norm_output:
+        raise QuickdraftError(
+            f"{path}: norm_output: true (speculators' EAGLE-3.1 option: the normalised state feeds "
+            "the next drafting step) is not supported yet; without it the head would draft worse"
+        )
+    if layout == HF_LAYOUT and norm_output is False:
+        raise QuickdraftError(
+            f"{path}: norm_output: false (SpecForge: no norm before lm_head) is not supported"
+        )
+    for key in ("fc_norm", "norm_before_fc"):
+        if config.get(key) or layer.get(key):
+            raise QuickdraftError(f"{path}: {key}: true is not supported yet (it changes the head's maths)")
+
+
 def _to_input(ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
     return tuple(i + 1 for i in ids) if convention == "output" else tuple(ids)
 
@@ -372,6 +404,7 @@ def _head_config(
     num_layers = target.num_hidden_layers
     if config is None:
         return _config_from_shapes(tensors, target, path)
+    _refuse_unsupported_options(config, layout, path)
     if layout == SPECULATORS_LAYOUT:
         layer = dict(config.get("transformer_layer_config") or {})
         if not layer:
