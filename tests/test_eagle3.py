@@ -422,6 +422,16 @@ def test_mismatched_heads_are_refused(random_target: LoadedModel, tmp_path: Path
         load_head(folder, random_target.model)
 
 
+def test_unsorted_layer_ids_are_taken_in_layer_order(random_target: LoadedModel, tmp_path: Path) -> None:
+    head = random_head(random_target, seed=4)
+    folder = save_head(head, tmp_path / "h")
+    ids = json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    _edit_config(folder, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=ids[::-1]))
+    loaded, _ = load_head(folder, random_target.model)
+    assert list(loaded.config.aux_layers) == sorted(loaded.config.aux_layers)
+    assert loaded.config.aux_layers == head.config.aux_layers  # the same features, same order
+
+
 def test_speculators_norm_output_is_refused_not_run_wrong(random_target: LoadedModel, tmp_path: Path) -> None:
     head = random_head(random_target, seed=4)
     folder = save_head(head, tmp_path / "spec", layout=SPECULATORS_LAYOUT)
@@ -602,7 +612,7 @@ def test_llm_drafts_with_a_head(bigram: Bigram, tmp_path: Path) -> None:
             (model_dir / f.name).write_bytes(f.read_bytes())
     state = {k: v.contiguous() for k, v in target.model.state_dict().items()}
     save_file(state, str(model_dir / "model.safetensors"))
-    head_dir = save_head(bigram.oracle_head((1, 0, 2), read=1), tmp_path / "head")
+    head_dir = save_head(bigram.oracle_head((0, 1, 2), read=0), tmp_path / "head")  # layer order
     llm = LLM(str(model_dir), draft=str(head_dir), dtype="float32", max_context=256, threads=1)
     assert isinstance(llm.drafter, AutoDrafter)
     assert [c.drafter.name for c in llm.drafter.candidates] == ["ngram", "eagle3"]

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     g.add_argument("--aux-layers", default=None,
                    help="comma-separated target layers whose INPUT hidden states feed the head "
-                        "(default: 2,L//2,L-3)")
+                        "(default: 2,L//2,L-3; taken in layer order)")
     d = TrainConfig()
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the data (default: {d.epochs})")
@@ -82,7 +82,8 @@ def _aux_layers(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        # in layer order: the order vLLM and SGLang (and quickdraft's loader) fuse them in
+        return tuple(sorted(int(x) for x in text.split(",") if x.strip()))
     except ValueError:
         raise QuickdraftError(f"--aux-layers must be comma-separated layer numbers, got {text!r}") from None
 

@@ -184,9 +184,10 @@ class Eagle3Config:
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low/middle/high layers in the INPUT convention: (2, L//2, L-3), as the EAGLE
-    authors' code and vLLM capture them (clamped into range for very shallow test models)."""
+    authors' code and vLLM capture them (clamped into range for very shallow test models), in
+    layer order: the order the features are collected and fused in."""
     ids = (2, num_layers // 2, num_layers - 3)
-    return tuple(min(max(i, 0), num_layers) for i in ids)
+    return tuple(sorted(min(max(i, 0), num_layers) for i in ids))
 
 
 class _HeadAttention(Attention):

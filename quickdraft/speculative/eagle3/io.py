@@ -446,6 +446,11 @@ def _head_config(
     else:
         file_ids, convention = None, "input"
         aux = default_aux_layers(num_layers)
+    if list(aux) != sorted(aux):
+        # vLLM and SGLang collect the aux hidden states while running the layers, so the fused
+        # features are in layer order whatever order the config lists the ids in; so here.
+        aux = tuple(sorted(aux))
+        note = (note + "; " if note else "") + "ids taken in layer order, as vLLM and SGLang do"
     cfg = Eagle3Config.from_hf_config(flat, aux)
     info = HeadInfo(path, layout, file_ids, convention, given is not None or override is not None, aux, note)
     return cfg, info
