@@ -20,37 +20,14 @@ from typing import Any
 import httpx
 import pytest
 from live_server import Server, start_server, stop_server
+from test_bench import _bench_script
 
 pytestmark = pytest.mark.slow
 
 NAME = "qwen-coder"
-CALC = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression and return the result.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {"type": "string", "description": "an arithmetic expression"}
-            },
-            "required": ["expression"],
-        },
-    },
-}
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "population",
-        "description": "Look up the population of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "the city's name"}},
-            "required": ["city"],
-        },
-    },
-}
-TOOLS = [CALC, LOOKUP]
+# The tools, system prompt and task of benchmarks/agent_loop.py: what is tested is what is timed.
+AGENT = _bench_script("agent_loop")
+TOOLS: list[dict[str, Any]] = AGENT.TOOLS
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Use the tools when they help."}
 ASK = [SYSTEM, {"role": "user", "content": "What is 1234 * 5678? Use the calculator."}]
 
@@ -153,22 +130,13 @@ def _agent_loop(server: Server) -> tuple[list[tuple[str, dict[str, Any]]], str]:
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    def calculator(expression: str) -> str:
-        if not set(expression) <= set("0123456789+-*/(). "):
-            return "error: only numbers and + - * / ( ) are allowed"
-        return str(eval(expression))  # noqa: S307 - digits and operators only
-
-    def population(city: str) -> str:
-        return {"lisbon": "545923", "oslo": "709037"}.get(city.strip().lower(), "unknown")
-
-    run = {"calculator": calculator, "population": population}
     llm = ChatOpenAI(
         model=NAME, base_url=server.url, api_key="unused", temperature=0, max_tokens=128,
         max_retries=0, timeout=300,
     ).bind_tools(TOOLS)
     messages: list[Any] = [
-        SystemMessage("You are a helpful assistant. Use the tools, one step at a time."),
-        HumanMessage("Look up the population of Lisbon, then use the calculator to multiply it by 3."),
+        SystemMessage(AGENT.SYSTEM),
+        HumanMessage(AGENT.TASK),
     ]
     made: list[tuple[str, dict[str, Any]]] = []
     for _ in range(6):
@@ -178,7 +146,7 @@ def _agent_loop(server: Server) -> tuple[list[tuple[str, dict[str, Any]]], str]:
             return made, str(reply.content)
         for call in reply.tool_calls:
             made.append((call["name"], call["args"]))
-            result = run[call["name"]](**call["args"])
+            result = AGENT.run_tool(call["name"], json.dumps(call["args"]))  # the benchmark's tools
             messages.append(ToolMessage(result, tool_call_id=call["id"]))
     raise AssertionError(f"no final answer after 6 turns: {made}")
 
