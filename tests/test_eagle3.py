@@ -334,6 +334,7 @@ def test_aux_layer_conventions_are_explicit(random_target: LoadedModel, tmp_path
                                 c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])))
     loaded, info = load_head(hf, random_target.model, log=logs.append)
     assert loaded.config.aux_layers == (1, 2, 3) and not info.convention_given
+    assert "variant: Llama decoder layer, residual = features" in logs[-1]
     assert "OUTPUT-of-layer" in logs[-1] and "default" in logs[-1]
     # the same file read with an explicit override
     loaded, _ = load_head(hf, random_target.model, aux_convention="input")

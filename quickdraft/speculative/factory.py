@@ -240,14 +240,14 @@ def build_eagle3_drafter(
                     head.config = original
         if tau < MIN_TAU:
             msg = (
-                f"the EAGLE-3 head {spec} drafts badly for this model (canary: tau {tau:.2f} < {MIN_TAU} over "
+                f"the EAGLE-3 head {spec} ({info.variant}) drafts badly for this model (canary: tau {tau:.2f} < {MIN_TAU} over "
                 f"{CANARY_TOKENS} tokens), so it is NOT used; check that it was trained for exactly this target "
                 "model and that its aux layer ids are read in the right convention (input vs output of a layer)"
             )
             warnings.warn(msg, stacklevel=2)
             say("WARNING: " + msg)
             return None
-        say(f"EAGLE-3 canary: tau {tau:.2f} over {CANARY_TOKENS} tokens")
+        say(f"EAGLE-3 canary: tau {tau:.2f} over {CANARY_TOKENS} tokens ({info.variant})")
     shape = default_shape(target.model.device)
     if num_draft is not None:
         shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))

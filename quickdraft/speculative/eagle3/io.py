@@ -93,6 +93,7 @@ class HeadInfo:
     convention_given: bool  # the file named its convention (False: the layout's default)
     aux_layers: tuple[int, ...]  # resolved INPUT-of-layer ids
     note: str = ""  # why the convention differs from the layout's default, if it does
+    variant: str = ""  # the head's maths, e.g. "Llama layer, residual = hidden_norm(features)"
 
     def describe(self) -> str:
         if self.file_ids is None:
@@ -101,7 +102,8 @@ class HeadInfo:
             source = "as the file says" if self.convention_given else self.note or f"the {self.layout} layout's default"
             how = (f"aux ids {list(self.file_ids)} read as {self.convention.upper()}-of-layer ids ({source}) "
                    f"-> inputs of layers {list(self.aux_layers)}")
-        return f"EAGLE-3 head {self.path} ({self.layout} layout): {how}"
+        variant = f"; variant: {self.variant}" if self.variant else ""
+        return f"EAGLE-3 head {self.path} ({self.layout} layout): {how}{variant}"
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -452,8 +454,21 @@ def _head_config(
         aux = tuple(sorted(aux))
         note = (note + "; " if note else "") + "ids taken in layer order, as vLLM and SGLang do"
     cfg = Eagle3Config.from_hf_config(flat, aux)
-    info = HeadInfo(path, layout, file_ids, convention, given is not None or override is not None, aux, note)
+    info = HeadInfo(
+        path, layout, file_ids, convention, given is not None or override is not None, aux, note,
+        variant_of(cfg, own_embedding="embed_tokens.weight" in tensors),
+    )
     return cfg, info
+
+
+def variant_of(cfg: Eagle3Config, own_embedding: bool) -> str:
+    """The head's variant in words (for the load log, the canary and selftest)."""
+    residual = "hidden_norm(features)" if cfg.norm_before_residual else "features"
+    embed = "its own embedding" if own_embedding else "the target's embedding"
+    return (
+        f"Llama decoder layer, residual = {residual}, {embed}, draft vocabulary "
+        f"{cfg.draft_vocab_size} of {cfg.vocab_size}"
+    )
 
 
 def _config_from_shapes(tensors: dict[str, Tensor], target: ModelConfig, path: Path) -> tuple[Eagle3Config, HeadInfo]:
@@ -490,7 +505,8 @@ def _config_from_shapes(tensors: dict[str, Tensor], target: ModelConfig, path: P
         aux_layers=aux,
         target_hidden_size=target.hidden_size,
     )
-    return cfg, HeadInfo(path, HF_LAYOUT, None, "input", False, aux)
+    variant = variant_of(cfg, own_embedding="embed_tokens.weight" in tensors)
+    return cfg, HeadInfo(path, HF_LAYOUT, None, "input", False, aux, variant=variant)
 
 
 def _check_against_target(cfg: Eagle3Config, tensors: dict[str, Tensor], target: ModelConfig, path: Path) -> None:
