@@ -398,7 +398,7 @@ def markdown_tables(result: dict[str, Any]) -> list[str]:
                 f"{_fmt(p['speedup'])} |"
             )
         lines.append("")
-    if not result["decode"].get("records", True):
+    if result["decode"].get("records") == []:  # --prompts 0: no decoding was measured
         return lines
     lines += [
         "",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -162,9 +163,16 @@ def process_logits(
     return out
 
 
+@lru_cache(maxsize=64)
+def _bias_tensors(bias: tuple[tuple[int, float], ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(ids, float32 values) of a request's logit bias, built once per request, not per step."""
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
+    values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)
+    return ids, values
+
+
 def _apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
-    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
-    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    ids, values = _bias_tensors(bias, logits.device)  # logits are float32 here
     out = logits.clone()
     out[:, ids] += values
     return out

@@ -7,6 +7,9 @@ import re
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +101,21 @@ def stop_server(server: Server) -> None:
         server.proc.wait()
 
 
+
+
+@contextmanager
+def running(*servers: Server, ready_s: float = 120) -> Iterator[None]:
+    """Wait until every server answers /health, run the block, then stop them and check that
+    none logged a traceback."""
+    for s in servers:
+        deadline = time.time() + ready_s
+        while httpx.get(f"{s.root}/health", timeout=60).status_code != 200:
+            assert time.time() < deadline, f"{s.url} did not become healthy"
+            time.sleep(0.1)
+    try:
+        yield
+    finally:
+        for s in servers:
+            stop_server(s)
+    for s in servers:
+        assert "Traceback" not in "".join(s.log), "".join(s.log)

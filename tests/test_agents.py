@@ -12,14 +12,12 @@ answers must be identical between them, tool calls included: speculation is loss
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from live_server import Server, start_server, stop_server
+from live_server import Server, running, start_server
 from test_bench import _bench_script
 
 pytestmark = pytest.mark.slow
@@ -37,15 +35,8 @@ def agents(qwen15_gguf: Path) -> Iterator[tuple[Server, Server]]:
     common = ["--dtype", "auto"]
     spec = start_server(qwen15_gguf, *common, name=NAME, context=2048)  # the default drafter
     plain = start_server(qwen15_gguf, *common, "--draft", "none", name=NAME, context=2048)
-    for s in (spec, plain):
-        deadline = time.time() + 120
-        while httpx.get(f"{s.root}/health", timeout=60).status_code != 200:
-            assert time.time() < deadline
-            time.sleep(0.2)
-    yield spec, plain
-    for s in (spec, plain):
-        stop_server(s)
-        assert "Traceback" not in "".join(s.log), "".join(s.log)
+    with running(spec, plain):
+        yield spec, plain
 
 
 def _ask(server: Server, **kw: Any) -> Any:

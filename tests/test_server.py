@@ -21,7 +21,7 @@ import pytest
 import schemathesis
 import torch
 from hypothesis import HealthCheck, settings
-from live_server import CONTEXT, KEY, NAME, Server, start_server, stop_server
+from live_server import CONTEXT, KEY, NAME, Server, running, start_server
 from schemathesis import GenerationMode
 
 from quickdraft.cli.main import main
@@ -49,15 +49,8 @@ PERSON_SCHEMA = {
 def servers(smollm2_gguf: Path) -> Iterator[tuple[Server, Server]]:
     spec = start_server(smollm2_gguf, "--draft", "ngram", "--num-draft", "4")
     plain = start_server(smollm2_gguf, "--draft", "none", "--api-key", KEY)
-    for s in (spec, plain):
-        deadline = time.time() + 60
-        while httpx.get(f"{s.root}/health", timeout=60).status_code != 200:
-            assert time.time() < deadline
-            time.sleep(0.1)
-    yield spec, plain
-    for s in (spec, plain):
-        stop_server(s)
-        assert "Traceback" not in "".join(s.log), "".join(s.log)
+    with running(spec, plain):
+        yield spec, plain
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +145,7 @@ def test_prefix_cache_across_requests_and_clients(spec: Server, plain: Server) -
     assert count >= cached
 
 
-def test_completions_stream_logprobs_andstop_server(spec: Server) -> None:
+def test_completions_stream_logprobs_and_stop(spec: Server) -> None:
     client = spec.client()
     whole = client.completions.create(
         model=NAME, prompt=FIB, max_tokens=12, temperature=0, logprobs=2

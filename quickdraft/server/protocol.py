@@ -8,6 +8,7 @@ OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` with a
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
@@ -151,7 +152,8 @@ class _GenerationRequest(_Lenient):
         return True, fmt.json_schema.schema_
 
     def logit_bias_items(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` as sorted (token id, bias) pairs, each checked."""
+        """``logit_bias`` as (token id, bias) pairs, the ids checked against the vocabulary
+        (SamplingParams checks the values)."""
         out = []
         for key, bias in (self.logit_bias or {}).items():
             try:
@@ -165,13 +167,8 @@ class _GenerationRequest(_Lenient):
                     400, f"logit_bias token id {token} is not in [0, {vocab_size})",
                     param="logit_bias",
                 )
-            if not -100 <= bias <= 100:
-                raise ApiError(
-                    400, f"logit_bias values must be in [-100, 100], got {bias}",
-                    param="logit_bias",
-                )
             out.append((token, float(bias)))
-        return tuple(sorted(out))
+        return tuple(out)
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, vocab_size: int
@@ -247,8 +244,6 @@ class ChatMessage(_Lenient):
 
 
 def _call_for_template(call: ToolCallIn) -> dict[str, Any]:
-    import json
-
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:

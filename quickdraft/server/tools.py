@@ -98,6 +98,7 @@ class ToolFormat:
 
     name = ""
     start = ""  # the text that opens a call
+    args_key = "arguments"  # the call object's key for the arguments
 
     def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
         """Content and calls of a whole output; raises :class:`Malformed`. ``names``: the
@@ -112,8 +113,8 @@ class ToolFormat:
     def call_schema(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
         return {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, self.args_key: parameters},
+            "required": ["name", self.args_key],
             "additionalProperties": False,
         }
 
@@ -194,6 +195,7 @@ class HermesFormat(ToolFormat):
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     start = "{"
+    args_key = "parameters"
     tag = "<|python_tag|>"
 
     def parse(self, text: str, names: frozenset[str] = frozenset()) -> Parsed:
@@ -219,14 +221,6 @@ class Llama3JsonFormat(ToolFormat):
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
         return Parsed("", calls)
-
-    def call_schema(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "type": "object",
-            "properties": {"name": {"const": name}, "parameters": parameters},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
 
     def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
         many = 'call ("; " call)*' if parallel else "call"
