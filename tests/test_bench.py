@@ -190,7 +190,7 @@ def test_jsonl_errors_name_the_line(tmp_path: Path, line: str, message: str) -> 
 
 
 def test_unknown_dataset_is_a_clear_error() -> None:
-    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, cnndm, cnndm-10k, agent, edit, code-qa or a JSONL file"):
+    with pytest.raises(QuickdraftError, match="humaneval, mtbench, gsm8k, sharegpt, cnndm, cnndm-10k, writingbench, longbench-write, agent, edit, code-qa or a JSONL file"):
         datasets.load_dataset("no-such-set")
 
 
@@ -776,3 +776,20 @@ def test_long_input_sets_parse_and_edit_tasks_carry_whole_modules() -> None:
     assert [i.id for i in qa][:2] == ["code-qa/textwrap.py", "code-qa/shlex.py"] and len(qa) == 5
     assert "class TextWrapper" in qa[0].turns[0] and qa[0].turns[0].endswith("break a line.")
     assert {"cnndm", "cnndm-10k"} <= set(datasets.PROMPT_SETS) and datasets.PROMPT_SETS["cnndm"].sdist
+
+
+def test_writing_sets_keep_the_english_requests() -> None:
+    import json
+
+    from quickdraft.bench import datasets
+
+    wb = [{"index": "1", "query": "我想撰写一篇论文", "checklist": "[]"},
+          {"index": "2", "query": "Write a cover letter for this job ad: ...", "checklist": "[]"}]
+    items = datasets._parse_writingbench("\n".join(json.dumps(r) for r in wb).encode())
+    assert [(i.id, i.turns) for i in items] == [("writingbench/2", ("Write a cover letter for this job ad: ...",))]
+    lw = [{"prompt": "Write a 5000-word story about a lighthouse.", "type": "Fiction", "length": "5000"},
+          {"prompt": "写一篇一万字的小说", "type": "Fiction", "length": "10000"}]
+    items = datasets._parse_longbench_write("\n".join(json.dumps(r) for r in lw).encode())
+    assert [i.id for i in items] == ["longbench-write/0"] and "lighthouse" in items[0].turns[0]
+    assert {"writingbench", "longbench-write"} <= set(datasets.PROMPT_SETS)
+    assert datasets._ALIASES["writing-bench"] == "writingbench"

@@ -12,6 +12,10 @@ sets measure what a real session costs: every turn sends the whole conversation 
 - ``cnndm`` / ``cnndm-10k``: long inputs as Artificial Analysis measures them: one CNN/DailyMail
   article (~1k tokens) and a request to summarise it, or consecutive articles joined to ~10k tokens
   with a question about the last one (from the llama-recipes sdist's H2O summarisation data).
+- ``writingbench``: WritingBench's real-world writing requests in English (a report, a letter, an
+  outline, often with source material pasted in: ~1k tokens of natural text in, prose out).
+- ``longbench-write``: LongBench-Write's requests for long texts (short prompts asking for 100 to
+  20,000 words: output speed over long answers).
 - ``edit``: a whole standard-library module (1.5k-5k tokens) and an instruction that rewrites it
   (type hints, a renamed function, a dataclass): the answer copies most of the input.
 - ``code-qa``: a whole standard-library module and a question about it whose answer is prose,
@@ -271,6 +275,24 @@ def _parse_gsm8k(data: bytes) -> list[Item]:
     return [Item(f"gsm8k/{i}", (str(o["question"]),)) for i, (_, o) in enumerate(rows)]
 
 
+def _english(text: str) -> bool:
+    """No CJK characters (WritingBench mixes Chinese and English requests)."""
+    return not any("\u2e80" <= ch <= "\u9fff" or "\uac00" <= ch <= "\ud7af" or "\uff00" <= ch <= "\uffef"
+                   for ch in text)
+
+
+def _parse_writingbench(data: bytes) -> list[Item]:
+    rows = _jsonl_objects(data, "WritingBench")
+    return [Item(f"writingbench/{o.get('index', i)}", (str(o["query"]),))
+            for i, (_, o) in enumerate(rows) if _english(str(o["query"]))]
+
+
+def _parse_longbench_write(data: bytes) -> list[Item]:
+    rows = _jsonl_objects(data, "LongBench-Write")
+    return [Item(f"longbench-write/{i}", (str(o["prompt"]),))
+            for i, (_, o) in enumerate(rows) if _english(str(o["prompt"]))]
+
+
 PROMPT_SETS: dict[str, PromptSet] = {
     "humaneval": PromptSet(
         "HumanEval",
@@ -310,6 +332,22 @@ CNNDM = ("CNN/DailyMail", "llama-recipes", "0.0.5.post2",
          "af1c97ecec78230ba8fa145bc5570c0cd30a6994cabcf2991459ae50859916f3")
 PROMPT_SETS["cnndm"] = PromptSet(*CNNDM, _parse_cnndm, sdist=True)
 PROMPT_SETS["cnndm-10k"] = PromptSet(*CNNDM, _parse_cnndm_long, sdist=True)
+PROMPT_SETS["writingbench"] = PromptSet(
+    "WritingBench (English requests)",
+    "inspect-evals",
+    "0.28.0",
+    "inspect_evals/writingbench/benchmark_all.jsonl",
+    "6399939db8e24b56c0e8063b4bc4ac30d6828204257a564ce9dd6a01282eb782",
+    _parse_writingbench,
+)
+PROMPT_SETS["longbench-write"] = PromptSet(
+    "LongBench-Write",
+    "evalscope",
+    "1.14.1",
+    "evalscope/third_party/longbench_write/resources/longbench_write.jsonl",
+    "1f6e99497cc24d65894d65e014062f398ba946ebdd254b7f8b339e48d3ab5779",
+    _parse_longbench_write,
+)
 BUILT_IN = {
     "agent": ("an agent-like trace over Python's standard library", agent_items),
     "edit": ("rewrite a whole standard-library module", edit_items),
@@ -320,6 +358,9 @@ _ALIASES = {
     "mt-bench": "mtbench",
     "mt_bench": "mtbench",
     "gsm-8k": "gsm8k",
+    "writing-bench": "writingbench",
+    "longbench_write": "longbench-write",
+    "longbenchwrite": "longbench-write",
 }
 
 
