@@ -203,7 +203,7 @@ QD_INLINE void nibble_seg(int s, const uint8_t* b, P&& put) {
 
 struct Q8_0L {  // [d x 8][256 bytes: q, int8]
   static constexpr int64_t BS = 256, TS = 8 * 34, GBS = 32, GTS = 34;
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 127;
   static constexpr bool SIGNED = true, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d;
@@ -222,7 +222,7 @@ struct Q8_0L {  // [d x 8][256 bytes: q, int8]
 
 template <int OFF, int64_t QS>  // [d x 8][(Q5_0: qh' 32)][qs' 128: vector 2u low nibbles, 2u + 1 high]
 struct Nibble32L {
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * (2 * OFF - 1) * 127;
   static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d;
@@ -267,7 +267,7 @@ struct Q5_0L : Nibble32L<16, 48> {
 
 struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m_j * (dx_j * s_j)
   static constexpr int64_t BS = 256, TS = 8 * 20, GBS = 32, GTS = 20;
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 15 * 127;
   static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d, m;
@@ -305,7 +305,7 @@ struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m
 
 struct Q4_KL {
   static constexpr int64_t BS = 256, TS = 144, GBS = 256, GTS = 144;  // (GGML block = lanes block)
-  static constexpr int NSEG = 4, MODE = KL, NACC = 2;  // even / odd vectors: two short chains
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 15 * 127;  // even / odd vectors: two short chains
   static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 dsc, dmm;  // d * sc_j, dmin * m_j (lane j: 32-group j)
@@ -339,7 +339,7 @@ struct Q4_KL {
 
 struct Q6_KL {
   static constexpr int64_t BS = 256, TS = 210, GBS = 256, GTS = 210;
-  static constexpr int NSEG = 4, MODE = KL, NACC = 2;
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 63 * 127;
   static constexpr bool SIGNED = false, LATENCY_SPLIT = false;  // vectors 0-3 / 4-7: 16-groups 2j / 2j + 1
   struct Pre {
     __m256 dsc[2];  // d * scale of 16-group 2j (dsc[0]) and 2j + 1 (dsc[1]) in lane j
@@ -547,6 +547,15 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
   // adds them first) uses one where the tile has enough independent chains anyway.
   constexpr bool ONE_CHAIN = F::LATENCY_SPLIT && TT * NN >= 8;
   constexpr int NA = ONE_CHAIN ? 1 : F::NACC;
+  // AVX2: where the sums of maddubs pairs over all the vectors an accumulator takes in a block fit
+  // int16 (PAIR_MAX bounds one pair: Q4_K / Q4_0 / Q4_1 weights <= 15 give 8 x 3810 = 30480), they
+  // are added as int16 and widened once per block (madd(1)): one multiply-port step per vector
+  // instead of two. Integer sums are exact, so the int32 lanes (and everything after) are the same.
+#ifdef QD_VNNI
+  constexpr bool I16 = false;
+#else
+  constexpr bool I16 = F::PAIR_MAX * (8 / NA) <= 32767;
+#endif
   // Several weight rows against several input rows: each activation vector is loaded once for
   // all NN weight rows, where the accumulators, weight vectors and x fit the vector registers
   // (measured: AVX2 Q6_K at 4 rows 17% slower when they do not).
@@ -571,7 +580,10 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
 #ifdef QD_VNNI
       acc_r = _mm256_dpbusd_epi32(acc_r, wu, xs);  // = maddubs + madd(1) + add, in one step
 #else
-      acc_r = _mm256_add_epi32(acc_r, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), _mm256_set1_epi16(1)));
+      if constexpr (I16)
+        acc_r = _mm256_add_epi16(acc_r, _mm256_maddubs_epi16(wu, xs));
+      else
+        acc_r = _mm256_add_epi32(acc_r, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), _mm256_set1_epi16(1)));
 #endif
       // keeps GCC from reassociating the (exact, so reorderable) integer sums into trees of
       // products computed far ahead and spilled to the stack
@@ -613,6 +625,14 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
           });
         }
       }
+    }
+    if constexpr (I16) {  // int16 pair sums -> the int32 lanes
+      QD_UNROLL
+      for (int i = 0; i < TT; ++i)
+        QD_UNROLL
+        for (int j = 0; j < NN; ++j)
+          QD_UNROLL
+          for (int a = 0; a < NA; ++a) ia[i][j][a] = _mm256_madd_epi16(ia[i][j][a], _mm256_set1_epi16(1));
     }
     QD_UNROLL
     for (int i = 0; i < TT; ++i)

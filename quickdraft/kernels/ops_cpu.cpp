@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #define QD_LOAD_INLINE inline __attribute__((always_inline))
@@ -130,6 +131,21 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// [hsum8(A), hsum8(B), hsum8(C), hsum8(D)] with hsum8's additions: each vector's halves (i, i + 4),
+// then those sums' (0, 2) and (1, 3), then the two (float addition commutes, so only which values
+// meet matters): the same bits as four hsum8 calls in a third of the shuffles.
+inline __m128 hsum8x4(__m256 A, __m256 B, __m256 C, __m256 D) {
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(A, B, 0x20), _mm256_permute2f128_ps(A, B, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(C, D, 0x20), _mm256_permute2f128_ps(C, D, 0x31));
+  // per 128-bit lane (lo: A, C; hi: B, D): [s0 + s2, s1 + s3] of each
+  const __m256 m = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(m, m, _MM_SHUFFLE(3, 1, 3, 1)));
+  // lo lane [fA, fC, ..], hi lane [fB, fD, ..] -> [fA, fB, fC, fD]
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+}
+
 // 8 cache values as fp32: a float cache as is, an fp16 one (uint16 bits) widened exactly (F16C).
 QD_LOAD_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 QD_LOAD_INLINE __m256 load8(const uint16_t* p) {
@@ -161,8 +177,22 @@ inline void scores(const float* const* qr, const KV* kb, int64_t ks1, const int6
       UNROLL for (int u = 0; u < NK; ++u) a[u][g] = _mm256_fmadd_ps(qv, kv[u], a[u][g]);
     }
   }
-  UNROLL for (int u = 0; u < NK; ++u)
-    UNROLL for (int g = 0; g < NH; ++g) ps[g][j0 + u] = hsum8(a[u][g]) * sc;
+  if constexpr (NK == 2) {  // two heads' two keys at a time: four hsum8 in one pass, same sums
+    int g = 0;
+    for (; g + 2 <= NH; g += 2) {
+      const __m128 f = hsum8x4(a[0][g], a[1][g], a[0][g + 1], a[1][g + 1]);
+      const __m128 y = _mm_mul_ps(f, _mm_set1_ps(sc));
+      _mm_storel_pi(reinterpret_cast<__m64*>(ps[g] + j0), y);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(ps[g + 1] + j0), y);
+    }
+    for (; g < NH; ++g) {
+      ps[g][j0] = hsum8(a[0][g]) * sc;
+      ps[g][j0 + 1] = hsum8(a[1][g]) * sc;
+    }
+  } else {
+    UNROLL for (int u = 0; u < NK; ++u)
+      UNROLL for (int g = 0; g < NH; ++g) ps[g][j0 + u] = hsum8(a[u][g]) * sc;
+  }
 }
 
 // a_g[e] += sum_j p_g[j] v_j[8c + 8e ..] over j = 0 .. n - 1 in slot order, for NH heads and
@@ -210,8 +240,16 @@ inline void accumulate_values(const KV* vb, int64_t vs1, const int64_t* idx, int
 // softmax(p) in place (p_j = exp(s_j - max), summed in a fixed order: 8 lanes, then the lanes, then
 // the tail); returns 1 / sum.
 inline float softmax_inplace(float* p, int64_t n) {
-  float m = -INFINITY;
-  for (int64_t jj = 0; jj < n; ++jj) m = std::max(m, p[jj]);
+  // the max, 8 lanes at a time (a max is exact in any order; max_ps(p, m) keeps m where p is NaN,
+  // as std::max(m, p) does, so NaN scores are skipped alike)
+  __m256 m8 = _mm256_set1_ps(-INFINITY);
+  int64_t jj = 0;
+  for (; jj + 8 <= n; jj += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(p + jj), m8);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float m = _mm_cvtss_f32(m4);
+  for (; jj < n; ++jj) m = std::max(m, p[jj]);
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sum8 = _mm256_setzero_ps();
   int64_t j = 0;
@@ -254,13 +292,45 @@ void attend_heads_n(const float* const* qr, const KV* kb, int64_t ks1, const KV*
 constexpr int64_t KEY_TILE = 64;
 constexpr int ROW_BLOCK = 16;
 
+// Slots t0 .. t0 + cnt - 1 of a cache (row stride s1) as fp32 rows of D at out: an fp16 tile widened
+// once for all the rows of a block (exactly: the FMAs see the values they would convert themselves).
+inline void widen_tile(const uint16_t* src, int64_t s1, int64_t t0, int64_t cnt, int64_t D, float* out) {
+  for (int64_t j = 0; j < cnt; ++j)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + j * D + d, load8(src + (t0 + j) * s1 + d));
+}
+
+// IOTA[j] = j: the slot list of a widened tile (slots relative to its first)
+struct Iota {
+  int64_t v[KEY_TILE];
+  constexpr Iota() : v() {
+    for (int64_t j = 0; j < KEY_TILE; ++j) v[j] = j;
+  }
+};
+constexpr Iota IOTA{};
+
+// dense: every row's slots are 0, 1, 2, .. (chain rows without a window), so a tile's slots are the
+// same for all rows; an fp16 cache's tile is then widened once (kt / vt: KEY_TILE * D floats each).
 template <int NH, typename KV>
 void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
                     const int64_t* const* idx, const int64_t* n, int64_t nv, float sc, float* const* const* ps,
-                    float* const* const* acc, float* const* const* y) {
+                    float* const* const* acc, float* const* const* y, bool dense, float* kt, float* vt) {
+  constexpr bool HALF = std::is_same_v<KV, uint16_t>;
+  const int64_t D = 8 * nv;
   int64_t most = 0;
   for (int r = 0; r < nr; ++r) most = std::max(most, n[r]);
   for (int64_t t0 = 0; t0 < most; t0 += KEY_TILE) {
+    if (HALF && dense) {
+      if constexpr (HALF) widen_tile(kb, ks1, t0, std::min(most - t0, KEY_TILE), D, kt);
+      for (int r = 0; r < nr; ++r) {
+        const int64_t cnt = std::max<int64_t>(0, std::min(n[r], t0 + KEY_TILE) - t0);
+        float* pt[NH];
+        UNROLL for (int g = 0; g < NH; ++g) pt[g] = ps[r][g] + t0;
+        int64_t j0 = 0;
+        for (; j0 + KEYS <= cnt; j0 += KEYS) scores<NH, KEYS>(qr[r], kt, D, IOTA.v, j0, nv, sc, pt);
+        for (; j0 < cnt; ++j0) scores<NH, 1>(qr[r], kt, D, IOTA.v, j0, nv, sc, pt);
+      }
+      continue;
+    }
     for (int r = 0; r < nr; ++r) {
       const int64_t t1 = std::min(n[r], t0 + KEY_TILE);
       int64_t j0 = t0;
@@ -274,14 +344,22 @@ void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t
     for (int g = 0; g < NH; ++g) std::fill(acc[r][g], acc[r][g] + 8 * nv, 0.0f);
   }
   for (int64_t t0 = 0; t0 < most; t0 += KEY_TILE) {
+    const bool wide = HALF && dense;
+    if constexpr (HALF)
+      if (wide) widen_tile(vb, vs1, t0, std::min(most - t0, KEY_TILE), D, vt);
     for (int r = 0; r < nr; ++r) {
       if (t0 >= n[r]) continue;
       const int64_t cnt = std::min(n[r], t0 + KEY_TILE) - t0;
       const float* pt[NH];
       UNROLL for (int g = 0; g < NH; ++g) pt[g] = ps[r][g] + t0;
       int64_t c = 0;
-      for (; c + 2 <= nv; c += 2) accumulate_values<NH, 2>(vb, vs1, idx[r] + t0, cnt, c, pt, acc[r]);
-      if (c < nv) accumulate_values<NH, 1>(vb, vs1, idx[r] + t0, cnt, c, pt, acc[r]);
+      if (wide) {
+        for (; c + 2 <= nv; c += 2) accumulate_values<NH, 2>(vt, D, IOTA.v, cnt, c, pt, acc[r]);
+        if (c < nv) accumulate_values<NH, 1>(vt, D, IOTA.v, cnt, c, pt, acc[r]);
+      } else {
+        for (; c + 2 <= nv; c += 2) accumulate_values<NH, 2>(vb, vs1, idx[r] + t0, cnt, c, pt, acc[r]);
+        if (c < nv) accumulate_values<NH, 1>(vb, vs1, idx[r] + t0, cnt, c, pt, acc[r]);
+      }
     }
   }
   for (int r = 0; r < nr; ++r)
@@ -294,14 +372,15 @@ void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t
 template <typename KV>
 inline void attend_block(int nh, int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb,
                          int64_t vs1, const int64_t* const* idx, const int64_t* n, int64_t nv, float sc,
-                         float* const* const* ps, float* const* const* acc, float* const* const* y) {
+                         float* const* const* ps, float* const* const* acc, float* const* const* y, bool dense,
+                         float* kt, float* vt) {
   switch (nh) {
-    case 1: attend_block_n<1>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
-    case 2: attend_block_n<2>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
-    case 3: attend_block_n<3>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
-    case 4: attend_block_n<4>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
-    case 5: attend_block_n<5>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
-    default: attend_block_n<6>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y); break;
+    case 1: attend_block_n<1>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
+    case 2: attend_block_n<2>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
+    case 3: attend_block_n<3>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
+    case 4: attend_block_n<4>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
+    case 5: attend_block_n<5>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
+    default: attend_block_n<6>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
   }
 }
 
@@ -348,7 +427,7 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   pybind11::gil_scoped_release nogil;
 #pragma omp parallel num_threads(std::max(nt, 1))
   {
-    std::vector<float> p, acc;
+    std::vector<float> p, acc, tiles;
     std::vector<std::vector<int64_t>> idx(ROW_BLOCK);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
@@ -409,7 +488,10 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
         if (live == 1) {  // one row (a decode step): no tiles needed
           attend_heads<KV>(nh, qr_r[0], kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r[0], nl[0], nv, sc, ps[0], y[0]);
         } else if (live > 1) {
-          attend_block<KV>(nh, live, qr_r, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r, nl, nv, sc, ps_r, ac_r, y_r);
+          const bool dense = !tree && window <= 0;
+          if (dense && tiles.empty()) tiles.resize(2 * KEY_TILE * D);
+          attend_block<KV>(nh, live, qr_r, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r, nl, nv, sc, ps_r, ac_r, y_r,
+                           dense, tiles.data(), tiles.data() + KEY_TILE * D);
         }
       }
     }
