@@ -13,3 +13,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q --disable-pip-version-check $TORCH_SPEC
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
+if [ -n "$extras" ]; then
+    # Reference implementations for the EAGLE-3 parity tests (tests/test_eagle3_parity.py): their
+    # own code only. --no-deps: they pin other torch / transformers versions, and a second torch
+    # must never be installed. loguru and hs-connectors are small pure-Python imports of theirs.
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+        speculators==0.9.0 loguru==0.7.3 hs-connectors==0.9.0
+    # SpecForge's own model code, kept in a folder of its own (tests/eagle3_specforge.py puts it
+    # on sys.path): its wheel pins torch 2.11 and sglang, none of which it needs for a head's forward.
+    [ -d .venv/reference/specforge/specforge ] || .venv/bin/python -m pip install -q --disable-pip-version-check \
+        --no-deps --target .venv/reference/specforge specforge==0.2.0
+fi

@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if llm.drafter is None:
         info("--draft none: nothing to test; pick --draft auto, ngram or a draft model")
         return 1
+    for _label, d, _k in _drafters(llm):
+        if getattr(d, "variant", ""):  # an EAGLE-3 head: which of the published variants it runs
+            print(f"drafter {d.name}: head variant: {d.variant}", flush=True)
     prompts = args.prompt or list(PROMPTS)
     ok = all([_greedy_check(llm, p, args.max_tokens) for p in prompts])
     ok = _distribution_check(llm, prompts[0], args.trials) and ok

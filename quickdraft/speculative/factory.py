@@ -252,5 +252,7 @@ def build_eagle3_drafter(
     if num_draft is not None:
         shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))
     cost = pass_cost_model(target, cost_rows(target.model.device), say) if standalone else None
-    return Eagle3Drafter(head, target.model, mode=mode, shape=shape, cost=cost, policy=num_draft is None)
+    drafter = Eagle3Drafter(head, target.model, mode=mode, shape=shape, cost=cost, policy=num_draft is None)
+    drafter.variant = info.variant
+    return drafter
 

@@ -133,6 +133,7 @@ class Eagle3Drafter:
     """
 
     name = "eagle3"
+    variant = ""  # the head's variant in words (set by the factory from the load)
 
     def __init__(
         self,

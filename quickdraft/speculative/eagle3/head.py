@@ -16,11 +16,21 @@ row j, the next row holds (h_j, embedding of the drafted token j+2) at position 
 
 Layer math (parameter names are those of the published checkpoints, so safetensors load as is)::
 
+    g = cat(aux hidden states)                                         [T, n * Ht]
+        (input_norm(g) if norm_before_fc; cat(fc_norm.i(g_i)) if fc_norm)
+    feature = fc(g)                                                    [T, H]
     residual = feature                       (hidden_norm(feature) if norm_before_residual)
     x = cat([input_layernorm(embed), hidden_norm(feature)], -1)        [T, 2H]
     h = residual + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
+        (Qwen3 layer, qk_norm: q_norm / k_norm per head before RoPE; sliding_window: the last W positions)
     h = h + mlp(post_attention_layernorm(h))
-    logits = lm_head(norm(h))                                          [T, draft_vocab]
+    z = norm(h)                              (h if not final_norm: SpecForge's norm_output false)
+    logits = lm_head(z)                                                [T, draft_vocab]
+    state fed to the next drafted row = h    (z if norm_output: speculators' EAGLE-3.1)
+
+The variants are those vLLM's speculators 0.9 and SpecForge define (the parity tests build them with
+the references' own classes); both projects use the key ``norm_output``, with two meanings, which
+``io.py`` tells apart by the file's layout.
 
 Draft ids map to target ids through ``d2t`` (target = draft + d2t[draft]); ``t2d`` marks the target
 ids the draft vocabulary covers. Aux layers use quickdraft's convention: the INPUT hidden state of
@@ -61,11 +71,23 @@ class Eagle3Config:
     aux_layers: tuple[int, ...]
     target_hidden_size: int
     norm_before_residual: bool = False  # a variant: the residual is hidden_norm(feature)
+    norm_output: bool = False  # speculators' EAGLE-3.1: norm(h) feeds lm_head AND the next drafted row
+    final_norm: bool = True  # False: logits = lm_head(h) (SpecForge's norm_output: false)
+    fc_norm: bool = False  # one RMSNorm per aux hidden state before fc (fc_norm.{i}.weight)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc (input_norm.weight)
+    qk_norm: bool = False  # a Qwen3 decoder layer: per-head RMSNorm of q and k before RoPE
+    sliding_window: int | None = None  # the layer attends to the last W positions only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
         if not self.aux_layers:
             raise QuickdraftError("an EAGLE-3 head needs at least one aux layer of the target")
+        if self.fc_norm and self.norm_before_fc:
+            raise QuickdraftError("an EAGLE-3 head has fc_norm or norm_before_fc, not both (speculators refuses both)")
+        if self.norm_output and not self.final_norm:
+            raise QuickdraftError("norm_output (the normalised state fed back) needs the final norm")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise QuickdraftError(f"the head's sliding window must be at least 1, got {self.sliding_window}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise QuickdraftError(
                 f"the head's draft vocabulary ({self.draft_vocab_size}) must be between 1 and the "
@@ -112,6 +134,7 @@ class Eagle3Config:
             rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings,
+            qk_norm=self.qk_norm,
         )
 
     def to_hf_config(self, aux_convention: str = "output") -> dict[str, Any]:
@@ -147,14 +170,27 @@ class Eagle3Config:
                 "quickdraft_aux_layer_convention": aux_convention,
             },
         }
+        unsaid = [k for k, on in (("norm_output (the normalised state fed back)", self.norm_output),
+                                  ("norm_before_fc", self.norm_before_fc), ("a Qwen3 layer", self.qk_norm),
+                                  ("a sliding window", self.sliding_window is not None)) if on]
+        if unsaid:
+            raise QuickdraftError(
+                f"the Hugging Face / SpecForge EAGLE-3 layout cannot say {', '.join(unsaid)}; save the head in "
+                "the speculators layout (layout='speculators')"
+            )
+        d["norm_output"] = self.final_norm  # SpecForge's meaning: norm before lm_head
         if self.norm_before_residual:
             d["norm_before_residual"] = True
+        if self.fc_norm:
+            d["fc_norm"] = True
         return d
 
     @classmethod
-    def from_hf_config(cls, d: dict[str, Any], aux_layers: tuple[int, ...]) -> Eagle3Config:
+    def from_hf_config(cls, d: dict[str, Any], aux_layers: tuple[int, ...], **variant: Any) -> Eagle3Config:
         """Read the head's shape from a Hugging Face config dict; ``aux_layers`` (INPUT ids) are
-        resolved by the loader, which knows the target and the file's convention."""
+        resolved by the loader, which knows the target and the file's convention, and so are the
+        ``variant`` fields (norm_output, final_norm, fc_norm, norm_before_fc, qk_norm,
+        sliding_window), whose keys mean different things in different layouts."""
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
@@ -174,6 +210,7 @@ class Eagle3Config:
                 aux_layers=aux_layers,
                 target_hidden_size=int(d.get("target_hidden_size") or hidden),
                 norm_before_residual=bool(d.get("norm_before_residual", False)),
+                **variant,
             )
         except KeyError as exc:
             raise QuickdraftError(f"the EAGLE-3 head's config lacks the field {exc}") from None
@@ -194,7 +231,7 @@ class _HeadAttention(Attention):
     """quickdraft's batch-invariant attention with q/k/v reading 2H inputs and o_proj writing H."""
 
     def __init__(self, cfg: Eagle3Config, rope: Rope) -> None:
-        super().__init__(cfg.model_config(hidden_size=2 * cfg.hidden_size), rope)
+        super().__init__(cfg.model_config(hidden_size=2 * cfg.hidden_size), rope, window=cfg.sliding_window)
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
 
@@ -231,7 +268,10 @@ class Eagle3Head(nn.Module):
         self.max_len = max_len or cfg.max_position_embeddings
         h = cfg.hidden_size
         self.rope = Rope(cfg.model_config(), self.max_len)
-        self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, h, bias=False)
+        n, ht = len(cfg.aux_layers), cfg.target_hidden_size
+        self.fc = Linear(n * ht, h, bias=False)
+        self.input_norm = RMSNorm(n * ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(ht, cfg.rms_norm_eps) for _ in range(n)]) if cfg.fc_norm else None
         self.midlayer = Eagle3Layer(cfg, self.rope)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
@@ -264,7 +304,24 @@ class Eagle3Head(nn.Module):
         differentiable) through plain F.linear.
         """
         x = target_hidden.to(self.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            chunks = x.chunk(len(self.fc_norm), dim=-1)
+            x = torch.cat([norm(c.contiguous()) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(x) if x.dim() == 2 else F.linear(x, self.fc.weight)
+
+    _committed = 0  # slots below this hold committed rows (the end of the last pass without positions)
+
+    def output(self, h: Tensor, num_logits: int | None = None) -> tuple[Tensor, Tensor]:
+        """(logits [n, Vd] of the last ``num_logits`` rows (all if None), the state [T, H] the next
+        drafted row reads): lm_head(norm(h)) and h, or the variants' forms (see the module doc)."""
+        cfg = self.config
+        if cfg.norm_output:
+            z = self.norm(h)
+            return self.lm_head(z if num_logits is None else z[-num_logits:]), z
+        out = h if num_logits is None else h[-num_logits:]
+        return self.lm_head(self.norm(out) if cfg.final_norm else out), h
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (target = draft + d2t[draft])."""
@@ -299,16 +356,31 @@ class Eagle3Head(nn.Module):
         """
         t = embeds.shape[0]
         start, end = cache.reserve(t)
+        drafted = positions is not None  # rows of a draft (their positions given), not committed rows
         if positions is None:
             positions = torch.arange(start, end, device=embeds.device)
+            self._committed = end
         tree = mask is not None
         if mask is None:
             mask = causal_mask(start, t, embeds.device)
+        window = self.config.sliding_window
+        attn = self.midlayer.self_attn
+        if drafted and window is not None:
+            # As the references train a sliding head (speculators' TTT masks): a drafted row sees
+            # the committed rows within W of the draft's root (the last committed row), and every
+            # drafted ancestor its mask allows, however deep it is.
+            slot = torch.arange(end, device=embeds.device)
+            seen = mask if mask is not None else torch.ones(t, end, dtype=torch.bool, device=embeds.device)
+            mask = seen & (slot >= self._committed - window)  # drafted slots lie above _committed
+            tree, attn.window = True, None
         step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
-        h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
+        try:
+            h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
+        finally:
+            attn.window = window
         cache.advance(t)
-        out = h if num_logits is None else h[-num_logits:]
-        return self.lm_head(self.norm(out)).float(), h
+        logits, state = self.output(h, num_logits)
+        return logits.float(), state
 
     # ------------------------------------------------------------------ training
 
@@ -339,18 +411,21 @@ class Eagle3Head(nn.Module):
         q = F.linear(x, attn.q_proj.weight).view(b, t, attn.nh, attn.hd).transpose(1, 2)  # [B, Hq, T, D]
         k = F.linear(x, attn.k_proj.weight).view(b, t, attn.nkv, attn.hd).transpose(1, 2)  # [B, Hkv, T, D]
         v = F.linear(x, attn.v_proj.weight).view(b, t, attn.nkv, attn.hd).transpose(1, 2)
+        if attn.q_norm is not None and attn.k_norm is not None:  # a Qwen3 layer: per head, before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
         pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(b, t)
         q, k = _rope_batched(self.rope, q, pos), _rope_batched(self.rope, k, pos)
         steps = [*(cache or []), (k, v)]
-        out = _ttt_attention(q, steps, attn.scale, attention_mask)  # [B, Hq, T, D]
+        out = _ttt_attention(q, steps, attn.scale, attention_mask, self.config.sliding_window)  # [B, Hq, T, D]
         a = F.linear(out.transpose(1, 2).reshape(b, t, attn.nh * attn.hd), attn.o_proj.weight)
         h = residual + a
         mlp = layer.mlp
         normed = layer.post_attention_layernorm(h)
         h = h + F.linear(F.silu(F.linear(normed, mlp.gate_proj.weight)) * F.linear(normed, mlp.up_proj.weight),
                          mlp.down_proj.weight)
-        logits = F.linear(self.norm(h), self.lm_head.weight).float()
-        return logits, h, (k, v)
+        z = self.norm(h) if self.config.final_norm else h
+        logits = F.linear(z, self.lm_head.weight).float()
+        return logits, z if self.config.norm_output else h, (k, v)
 
 
 def _rope_batched(rope: Rope, x: Tensor, positions: Tensor) -> Tensor:
@@ -363,9 +438,11 @@ def _rope_batched(rope: Rope, x: Tensor, positions: Tensor) -> Tensor:
 
 
 def _ttt_attention(
-    q: Tensor, steps: list[tuple[Tensor, Tensor]], scale: float, attention_mask: Tensor | None
+    q: Tensor, steps: list[tuple[Tensor, Tensor]], scale: float, attention_mask: Tensor | None,
+    window: int | None = None,
 ) -> Tensor:
-    """Softmax over [causal step-0 keys, diagonal keys of steps 1..s] per query row."""
+    """Softmax over [causal step-0 keys, diagonal keys of steps 1..s] per query row; ``window``:
+    row t sees the step-0 keys t-W+1 .. t only (speculators' sliding heads; drafted keys always)."""
     b, nh, t, d = q.shape
     k0, v0 = steps[0]
     groups = nh // k0.shape[1]
@@ -375,6 +452,8 @@ def _ttt_attention(
 
     scores0 = torch.matmul(q, expand(k0).transpose(-1, -2)) * scale  # [B, Hq, T, T]
     allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        allowed = allowed.triu(-(window - 1))
     allowed = allowed.view(1, 1, t, t)
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool().view(b, 1, 1, t)

@@ -173,9 +173,14 @@ def save_head(head: Eagle3Head, dest: str | Path, layout: str = HF_LAYOUT, verif
 
 
 def _speculators_config(cfg: Eagle3Config, verifier: str | None) -> dict[str, Any]:
-    layer = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+    if not cfg.final_norm:
+        raise QuickdraftError(
+            "the speculators layout cannot say 'no final norm' (SpecForge's norm_output: false); save the head "
+            "in the Hugging Face layout"
+        )
+    layer: dict[str, Any] = {
+        "model_type": "qwen3" if cfg.qk_norm else "llama",
+        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
         "hidden_act": "silu",
         "num_hidden_layers": 1,
         "tie_word_embeddings": False,
@@ -189,13 +194,19 @@ def _speculators_config(cfg: Eagle3Config, verifier: str | None) -> dict[str, An
         "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
+        "layer_types": ["sliding_attention" if cfg.sliding_window else "full_attention"],
     }
+    if cfg.sliding_window:
+        layer |= {"sliding_window": cfg.sliding_window, "use_sliding_window": True}
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
         CONVENTION_KEY: "input",
@@ -234,6 +245,10 @@ def load_head(
     tcfg = target.config
     cfg, info = _head_config(config, tensors, layout, tcfg, path, aux_convention)
     _check_against_target(cfg, tensors, tcfg, path)
+    if cfg.norm_before_fc and "input_norm.weight" not in tensors:
+        # speculators loads such a head with the norm's initial weight (ones); so here
+        tensors["input_norm.weight"] = torch.ones(len(cfg.aux_layers) * cfg.target_hidden_size)
+        log(f"{path}: norm_before_fc without input_norm.weight: weight 1, as speculators loads it")
     head = build_head(cfg, target, own_embedding="embed_tokens.weight" in tensors)
     _load_tensors(head, tensors, path)
     log(info.describe())
@@ -334,22 +349,8 @@ def _normalize_tensors(raw: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
             continue
         if norm.startswith("layers."):
             raise QuickdraftError(
-                f"{path} has more than one decoder layer ({name}); only single-layer EAGLE-3 heads are supported"
-            )
-        if norm.startswith("fc_norm"):
-            raise QuickdraftError(
-                f"{path} normalises the fused features after fc (fc_norm, tensor {name}); that "
-                "variant is not supported yet, and running it without the norm would draft worse"
-            )
-        if norm.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-            raise QuickdraftError(
-                f"{path} has a Qwen3-style decoder layer (per-head q/k norms, {name}); only "
-                "Llama-style EAGLE-3 layers are supported yet"
-            )
-        if norm == "input_norm.weight":
-            raise QuickdraftError(
-                f"{path} normalises the target features before fc (norm_before_fc, gpt-oss heads); "
-                "that variant is not supported yet"
+                f"{path} has more than one decoder layer ({name}: transformer_layer_config.num_hidden_layers > 1); "
+                "quickdraft runs single-layer EAGLE-3 heads only"
             )
         out[norm] = tensor
     if "fc.weight" not in out or not any(n.startswith("midlayer.") for n in out):
@@ -368,26 +369,65 @@ def _layout(config: dict[str, Any] | None, raw: dict[str, Tensor]) -> str:
     return HF_LAYOUT
 
 
-def _refuse_unsupported_options(config: dict[str, Any], layout: str, path: Path) -> None:
-    """Options that change a head's maths and that quickdraft does not compute yet: loading such a
-    head anyway would draft silently worse. One key, two meanings: speculators' ``norm_output``
-    (EAGLE-3.1: the normalised state is what the next drafting step consumes) against SpecForge's
-    (default true: the state is normalised before lm_head, which every head does); the layout says
-    which one the file means."""
-    layer = config.get("transformer_layer_config") or {}
-    norm_output = config.get("norm_output", layer.get("norm_output"))
-    if layout == SPECULATORS_LAYOUT and norm_output:
+def _variant(config: dict[str, Any], layout: str, tensors: dict[str, Tensor], path: Path) -> dict[str, Any]:
+    """The options that change a head's maths, read as the file's layout means them and checked
+    against its tensors (a head run without an option it was trained with would draft silently
+    worse, so a contradiction is refused, naming the key).
+
+    One key, two meanings: speculators' ``norm_output`` (EAGLE-3.1: the normalised state feeds
+    lm_head and the next drafted row; default false) and SpecForge's (default true: normalise
+    before lm_head; false: no final norm). The speculators layout (``speculators_model_type``,
+    ``transformer_layer_config``) means the first, the Hugging Face / SpecForge layout the second.
+    Layer type: speculators' ``transformer_layer_config.model_type`` ``llama`` or ``qwen3`` (per-head
+    q/k norms; speculators reads a layer config without ``model_type`` as Qwen3, so there the
+    tensors decide). Sliding window: ``layer_types[0] == "sliding_attention"`` with
+    ``sliding_window`` W, as speculators builds its masks (drafted rows see the last W positions).
+    """
+    names = set(tensors)
+    has_qk = any(n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for n in names)
+    has_fc_norm = any(n.startswith("fc_norm.") for n in names)
+    layer = config.get("transformer_layer_config") or {} if layout == SPECULATORS_LAYOUT else config
+    where = "transformer_layer_config." if layout == SPECULATORS_LAYOUT else ""
+    model_type = layer.get("model_type")
+    if layout == SPECULATORS_LAYOUT and model_type is None:
+        qk = has_qk
+    elif model_type in (None, "llama", "qwen3"):
+        qk = model_type == "qwen3" or (layout == HF_LAYOUT and has_qk)
+    else:
         raise QuickdraftError(
-            f"{path}: norm_output: true (speculators' EAGLE-3.1 option: the normalised state feeds "
-            "the next drafting step) is not supported yet; without it the head would draft worse"
+            f"{path}: {where}model_type is {model_type!r}; EAGLE-3 heads have llama or qwen3 decoder layers"
         )
-    if layout == HF_LAYOUT and norm_output is False:
+    if qk != has_qk:
         raise QuickdraftError(
-            f"{path}: norm_output: false (SpecForge: no norm before lm_head) is not supported"
+            f"{path}: {where}model_type {model_type!r} {'has' if qk else 'has no'} per-head q/k norms, but the "
+            f"tensors {'lack' if qk else 'have'} self_attn.q_norm / k_norm; the config and the weights disagree"
         )
-    for key in ("fc_norm", "norm_before_fc"):
-        if config.get(key) or layer.get(key):
-            raise QuickdraftError(f"{path}: {key}: true is not supported yet (it changes the head's maths)")
+    if layout == SPECULATORS_LAYOUT:
+        norm_output, final_norm = bool(config.get("norm_output", False)), True
+    else:
+        norm_output, final_norm = False, bool(config.get("norm_output", True))
+    fc_norm = bool(config.get("fc_norm", has_fc_norm))
+    if fc_norm != has_fc_norm:
+        raise QuickdraftError(
+            f"{path}: fc_norm is {str(fc_norm).lower()} but the file {'lacks' if fc_norm else 'has'} the "
+            "fc_norm.{i}.weight tensors; the config and the weights disagree"
+        )
+    norm_before_fc = bool(config.get("norm_before_fc", "input_norm.weight" in names))
+    if "input_norm.weight" in names and not norm_before_fc:
+        raise QuickdraftError(
+            f"{path}: norm_before_fc is false but the file has input_norm.weight; the config and the weights disagree"
+        )
+    window = None
+    types = layer.get("layer_types")
+    if types:
+        if len(set(types)) != 1 or types[0] not in ("sliding_attention", "full_attention"):
+            raise QuickdraftError(f"{path}: {where}layer_types {types!r} is not one attention type for the head's layer")
+        if types[0] == "sliding_attention":
+            if not layer.get("sliding_window"):
+                raise QuickdraftError(f"{path}: {where}layer_types says sliding_attention but sliding_window is not set")
+            window = int(layer["sliding_window"])
+    return {"norm_output": norm_output, "final_norm": final_norm, "fc_norm": fc_norm,
+            "norm_before_fc": norm_before_fc, "qk_norm": qk, "sliding_window": window}
 
 
 def _to_input(ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
@@ -406,7 +446,7 @@ def _head_config(
     num_layers = target.num_hidden_layers
     if config is None:
         return _config_from_shapes(tensors, target, path)
-    _refuse_unsupported_options(config, layout, path)
+    variant = _variant(config, layout, tensors, path)
     if layout == SPECULATORS_LAYOUT:
         layer = dict(config.get("transformer_layer_config") or {})
         if not layer:
@@ -453,7 +493,7 @@ def _head_config(
         # features are in layer order whatever order the config lists the ids in; so here.
         aux = tuple(sorted(aux))
         note = (note + "; " if note else "") + "ids taken in layer order, as vLLM and SGLang do"
-    cfg = Eagle3Config.from_hf_config(flat, aux)
+    cfg = Eagle3Config.from_hf_config(flat, aux, **variant)
     info = HeadInfo(
         path, layout, file_ids, convention, given is not None or override is not None, aux, note,
         variant_of(cfg, own_embedding="embed_tokens.weight" in tensors),
@@ -463,10 +503,16 @@ def _head_config(
 
 def variant_of(cfg: Eagle3Config, own_embedding: bool) -> str:
     """The head's variant in words (for the load log, the canary and selftest)."""
+    layer = "Qwen3 decoder layer (q/k norms)" if cfg.qk_norm else "Llama decoder layer"
+    if cfg.sliding_window is not None:
+        layer += f", sliding window {cfg.sliding_window}"
+    fuse = "fc_norm per aux state, " if cfg.fc_norm else "input_norm before fc, " if cfg.norm_before_fc else ""
     residual = "hidden_norm(features)" if cfg.norm_before_residual else "features"
+    fed = "norm(h) fed back" if cfg.norm_output else "h fed back"
+    out = "" if cfg.final_norm else ", no final norm"
     embed = "its own embedding" if own_embedding else "the target's embedding"
     return (
-        f"Llama decoder layer, residual = {residual}, {embed}, draft vocabulary "
+        f"{layer}, {fuse}residual = {residual}, {fed}{out}, {embed}, draft vocabulary "
         f"{cfg.draft_vocab_size} of {cfg.vocab_size}"
     )
 
@@ -504,6 +550,9 @@ def _config_from_shapes(tensors: dict[str, Tensor], target: ModelConfig, path: P
         draft_vocab_size=int(head.shape[0]),
         aux_layers=aux,
         target_hidden_size=target.hidden_size,
+        fc_norm=any(n.startswith("fc_norm.") for n in tensors),
+        norm_before_fc="input_norm.weight" in tensors,
+        qk_norm="midlayer.self_attn.q_norm.weight" in tensors,
     )
     variant = variant_of(cfg, own_embedding="embed_tokens.weight" in tensors)
     return cfg, HeadInfo(path, HF_LAYOUT, None, "input", False, aux, variant=variant)
