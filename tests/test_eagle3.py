@@ -399,12 +399,12 @@ def _mutations() -> list[tuple[str, Any, str]]:
          "q_proj.weight has shape"),
         ("missing", tensors(lambda t: t.pop("midlayer.mlp.up_proj.weight")), "lacks tensor"),
         ("second layer", tensors(lambda t: t.update({"layers.1.mlp.up_proj.weight": torch.zeros(1)})), "more than one decoder layer"),
-        ("norm_before_fc", tensors(lambda t: t.update({"input_norm.weight": torch.zeros(192)})), "norm_before_fc"),
-        ("fc_norm tensor", tensors(lambda t: t.update({"fc_norm.0.weight": torch.zeros(64)})), "fc_norm"),
-        ("fc_norm key", cfg(lambda c: c.update(fc_norm=True)), "fc_norm: true"),
+        ("fc_norm tensor", tensors(lambda t: t.update({"fc_norm.0.weight": torch.zeros(64)})), "lacks tensor.*fc_norm.1"),
+        ("fc_norm key", cfg(lambda c: c.update(fc_norm=True)), "fc_norm is true but the file lacks"),
+        ("norm_before_fc key", cfg(lambda c: c.update(norm_before_fc=False)), None),
         ("qwen3 layer", tensors(lambda t: t.update({"midlayer.self_attn.k_norm.weight": torch.zeros(16)})),
-         "Qwen3-style"),
-        ("specforge norm_output", cfg(lambda c: c.update(norm_output=False)), "norm_output: false"),
+         "has no per-head q/k norms, but the tensors have"),
+        ("layer type", cfg(lambda c: c.update(model_type="mistral")), "model_type is 'mistral'"),
     ]
 
 
@@ -419,6 +419,13 @@ def test_mismatched_heads_are_refused(random_target: LoadedModel, tmp_path: Path
         tensors = load_file(str(folder / "model.safetensors"))
         edit(tensors)
         save_file(tensors, str(folder / "model.safetensors"))
+    if message is None:  # the key agrees with the tensors: loads
+        load_head(folder, random_target.model)
+        _edit_config(folder, lambda c: c.update(norm_before_fc=False))
+        t = load_file(str(folder / "model.safetensors"))
+        t["input_norm.weight"] = torch.ones(192)
+        save_file(t, str(folder / "model.safetensors"))
+        message = "norm_before_fc is false but the file has input_norm.weight"
     with pytest.raises(QuickdraftError, match=message):
         load_head(folder, random_target.model)
 
@@ -433,13 +440,19 @@ def test_unsorted_layer_ids_are_taken_in_layer_order(random_target: LoadedModel,
     assert loaded.config.aux_layers == head.config.aux_layers  # the same features, same order
 
 
-def test_speculators_norm_output_is_refused_not_run_wrong(random_target: LoadedModel, tmp_path: Path) -> None:
+def test_norm_output_is_read_by_the_layouts_meaning(random_target: LoadedModel, tmp_path: Path) -> None:
+    """speculators' norm_output feeds norm(h) back (the next drafted row's input changes, the first
+    row's logits do not); SpecForge's (HF layout) is the default final norm."""
     head = random_head(random_target, seed=4)
     folder = save_head(head, tmp_path / "spec", layout=SPECULATORS_LAYOUT)
-    load_head(folder, random_target.model)  # the plain variant loads
+    plain, _ = load_head(folder, random_target.model)
     _edit_config(folder, lambda c: c.update(norm_output=True))
-    with pytest.raises(QuickdraftError, match="norm_output: true"):
-        load_head(folder, random_target.model)
+    fed, info = load_head(folder, random_target.model)
+    assert fed.config.norm_output and "norm(h) fed back" in info.variant
+    x = torch.randn(3, plain.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    lp, hp = plain(x, x, plain.new_cache(16))
+    lf, hf_state = fed(x, x, fed.new_cache(16))
+    assert torch.equal(lp, lf) and torch.allclose(hf_state, fed.norm(hp)) and not torch.allclose(hp, hf_state)
     # In the HF/EAGLE layout the same key (SpecForge's, true = norm before lm_head) is standard.
     hf = save_head(head, tmp_path / "hf")
     _edit_config(hf, lambda c: c.update(norm_output=True))

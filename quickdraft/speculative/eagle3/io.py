@@ -389,10 +389,10 @@ def _variant(config: dict[str, Any], layout: str, tensors: dict[str, Tensor], pa
     layer = config.get("transformer_layer_config") or {} if layout == SPECULATORS_LAYOUT else config
     where = "transformer_layer_config." if layout == SPECULATORS_LAYOUT else ""
     model_type = layer.get("model_type")
-    if layout == SPECULATORS_LAYOUT and model_type is None:
+    if model_type is None:
         qk = has_qk
-    elif model_type in (None, "llama", "qwen3"):
-        qk = model_type == "qwen3" or (layout == HF_LAYOUT and has_qk)
+    elif model_type in ("llama", "qwen3"):
+        qk = model_type == "qwen3"
     else:
         raise QuickdraftError(
             f"{path}: {where}model_type is {model_type!r}; EAGLE-3 heads have llama or qwen3 decoder layers"
