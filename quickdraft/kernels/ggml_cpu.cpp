@@ -60,18 +60,28 @@ namespace {
 
 using namespace qd;
 
-// GGML type ids (gguf.GGMLQuantizationType)
-enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+// GGML type ids (gguf.GGMLQuantizationType): the block formats of ggml_q8.h, and the float ones.
+using q8::T_IQ4_NL, q8::T_IQ4_XS, q8::T_Q2_K, q8::T_Q3_K, q8::T_Q4_0, q8::T_Q4_1, q8::T_Q4_K, q8::T_Q5_0, q8::T_Q5_1,
+    q8::T_Q5_K, q8::T_Q6_K, q8::T_Q8_0;
+enum : int64_t { T_F16 = 1, T_BF16 = 30 };
 
 template <class Fn>
 void dispatch(int64_t qtype, Fn&& fn) {
   switch (qtype) {
+    case T_F16: fn(F16{}); break;
+    case T_BF16: fn(BF16{}); break;
     case T_Q4_0: fn(Q4_0{}); break;
     case T_Q4_1: fn(Q4_1{}); break;
     case T_Q5_0: fn(Q5_0{}); break;
+    case T_Q5_1: fn(Q5_1{}); break;
     case T_Q8_0: fn(Q8_0{}); break;
+    case T_Q2_K: fn(Q2_K{}); break;
+    case T_Q3_K: fn(Q3_K{}); break;
     case T_Q4_K: fn(Q4_K{}); break;
+    case T_Q5_K: fn(Q5_K{}); break;
     case T_Q6_K: fn(Q6_K{}); break;
+    case T_IQ4_NL: fn(IQ4_NL{}); break;
+    case T_IQ4_XS: fn(IQ4_XS{}); break;
     default: TORCH_CHECK(false, "quickdraft kernels: unsupported GGML type ", qtype);
   }
 }
@@ -222,14 +232,19 @@ torch::Tensor repack_lanes(int64_t qtype, const torch::Tensor& raw, int64_t K, b
               "raw must be a contiguous CPU uint8 tensor [N, row_bytes]");
   const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
   const int64_t N = raw.size(0);
-  if (qtype == T_Q4_K || qtype == T_Q6_K) {
+  if (qtype == T_Q4_K || qtype == T_Q6_K || q8::is_klayout_type(qtype)) {  // 256-value blocks, same size
     dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
-    auto out = raw.clone();
+    auto out = qtype == T_Q4_K || qtype == T_Q6_K ? raw.clone() : torch::empty_like(raw);
     pybind11::gil_scoped_release nogil;
-    q8::repack_lanes(qtype, out.data_ptr<uint8_t>(), out.numel() / (qtype == T_Q4_K ? 144 : 210), to_lanes, nt);
+    if (qtype == T_Q4_K || qtype == T_Q6_K)
+      q8::repack_lanes(qtype, out.data_ptr<uint8_t>(), out.numel() / (qtype == T_Q4_K ? 144 : 210), to_lanes, nt);
+    else
+      q8::repack_klayout(qtype, raw.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), out.numel() / q8::klayout_bytes(qtype),
+                         to_lanes, nt);
     return out;
   }
-  TORCH_CHECK(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0,
+  TORCH_CHECK(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q5_1 || qtype == T_Q8_0 ||
+                  qtype == T_IQ4_NL,
               "GGML type ", qtype, " has no lane layout");
   int64_t lanes_row = 0, ggml_row = 0;
   q8::dispatch(qtype + q8::LANES_ID, [&](auto f) {
@@ -297,7 +312,9 @@ void register_decode(pybind11::module& m);  // decode_cpu.cpp: a whole decoder s
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The fused and scratch paths must feed each accumulator in the same order (batch invariance).
   TORCH_CHECK(order_matches<Q4_0>() && order_matches<Q4_1>() && order_matches<Q5_0>() && order_matches<Q8_0>() &&
-                  order_matches<Q4_K>() && order_matches<Q6_K>(),
+                  order_matches<Q4_K>() && order_matches<Q6_K>() && order_matches<F16>() && order_matches<BF16>() &&
+                  order_matches<Q5_1>() && order_matches<Q2_K>() && order_matches<Q3_K>() && order_matches<Q5_K>() &&
+                  order_matches<IQ4_NL>() && order_matches<IQ4_XS>(),
               "quickdraft kernels: a format's ORDER table does not match its seg() order");
   m.doc() = "quickdraft: GGML quantized linear kernels (AVX2/FMA/F16C, OpenMP)";
   m.def("linear", &linear, "y = x @ dequant(raw).T (+ bias); x fp32 [T, K] -> y fp32 [T, N]", pybind11::arg("qtype"),

@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -239,6 +240,153 @@ struct Q6_K {
     }
   }
 };
+
+// F16 / BF16 matrices, read 32 values (one "block") at a time: w = the value, widened exactly.
+struct F16 {
+  static constexpr int64_t BS = 32, TS = 64;
+  static constexpr int NSEG = 1;
+  static constexpr int8_t ORDER[4] = {0, 1, 2, 3};
+  struct Pre {};
+  static QD_INLINE void prepare(const uint8_t*, Pre&) {}
+  template <class P>
+  static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
+    QD_UNROLL
+    for (int v = 0; v < 4; ++v)
+      put(v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v))));
+  }
+};
+struct BF16 {
+  static constexpr int64_t BS = 32, TS = 64;
+  static constexpr int NSEG = 1;
+  static constexpr int8_t ORDER[4] = {0, 1, 2, 3};
+  struct Pre {};
+  static QD_INLINE void prepare(const uint8_t*, Pre&) {}
+  template <class P>
+  static QD_INLINE void seg(int, const uint8_t* b, const Pre&, P&& put) {
+    QD_UNROLL
+    for (int v = 0; v < 4; ++v) {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v)));
+      put(v, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    }
+  }
+};
+
+// Formats whose f32 path dequantizes a whole block with scalar code first (Q5_1, Q2_K, Q3_K, Q5_K,
+// IQ4_NL, IQ4_XS: the q8 GEMM is their fast path; this one serves dequantize(), embeddings and the
+// exact f32-activation mode). D::decode(block, w) is bit-exact to gguf.quants.dequantize: the same
+// float32 operations in the same order (-ffp-contract=off keeps a*b-c two roundings).
+template <class D>
+struct Whole {
+  static constexpr int64_t BS = D::BS, TS = D::TS;
+  static constexpr int NSEG = 1;
+  static constexpr std::array<int8_t, BS / 8> ORDER = [] {
+    std::array<int8_t, BS / 8> o{};
+    for (int i = 0; i < static_cast<int>(BS / 8); ++i) o[i] = static_cast<int8_t>(i);
+    return o;
+  }();
+  struct Pre {
+    alignas(32) float w[BS];
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { D::decode(b, p.w); }
+  template <class P>
+  static QD_INLINE void seg(int, const uint8_t*, const Pre& p, P&& put) {
+    QD_UNROLL
+    for (int v = 0; v < BS / 8; ++v) put(v, _mm256_load_ps(p.w + 8 * v));
+  }
+};
+
+constexpr int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Q4_K / Q5_K's 6-bit scale and min of 32-group j.
+QD_INLINE void kscale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+struct Q5_1D {  // d, m: f16, qh: u32, qs[16]; w = d*q + m
+  static constexpr int64_t BS = 32, TS = 24;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    const float d = fp16(b), m = fp16(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    for (int e = 0; e < 32; ++e) {
+      const int q = ((b[8 + e % 16] >> (4 * (e / 16))) & 15) | (((qh >> e) & 1) << 4);
+      w[e] = d * static_cast<float>(q) + m;
+    }
+  }
+};
+struct IQ4_NLD {  // d: f16, qs[16] (nibble indices); w = d * value
+  static constexpr int64_t BS = 32, TS = 18;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    const float d = fp16(b);
+    for (int e = 0; e < 32; ++e) w[e] = d * static_cast<float>(IQ4NL_VALUES[(b[2 + e % 16] >> (4 * (e / 16))) & 15]);
+  }
+};
+struct Q2_KD {  // scales[16] (low 4: scale, high 4: min), qs[64], d, dmin: w = d*sc*q - dmin*m per 16
+  static constexpr int64_t BS = 256, TS = 84;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    const float d = fp16(b + 80), dmin = fp16(b + 82);
+    for (int e = 0; e < 256; ++e) {
+      const int sc = b[e / 16];
+      const int q = (b[16 + 32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3;
+      const float dl = d * static_cast<float>(sc & 15), ml = dmin * static_cast<float>(sc >> 4);
+      w[e] = dl * static_cast<float>(q) - ml;
+    }
+  }
+};
+struct Q3_KD {  // hmask[32], qs[64], scales[12], d: w = d*(scale-32) * (low2 - 4 * !hbit) per 16
+  static constexpr int64_t BS = 256, TS = 110;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    const float d = fp16(b + 108);
+    const uint8_t* s = b + 96;
+    for (int e = 0; e < 256; ++e) {
+      const int i = e / 16;
+      const int sc = (((s[i % 8] >> (4 * (i / 8))) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+      const int q = ((b[32 + 32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3) - 4 * (((b[e % 32] >> (e / 32)) & 1) ^ 1);
+      w[e] = (d * static_cast<float>(sc)) * static_cast<float>(q);
+    }
+  }
+};
+struct Q5_KD {  // d, dmin, scales[12] (as Q4_K), qh[32], qs[128]: w = d*sc*q - dmin*m per 32
+  static constexpr int64_t BS = 256, TS = 176;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    const float d = fp16(b), dmin = fp16(b + 2);
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      kscale_min(b + 4, g, sc, m);
+      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+      for (int l = 0; l < 32; ++l) {
+        const int q = ((b[48 + 32 * (g / 2) + l] >> (4 * (g % 2))) & 15) | (((b[16 + l] >> g) & 1) << 4);
+        w[32 * g + l] = dl * static_cast<float>(q) - ml;
+      }
+    }
+  }
+};
+struct IQ4_XSD {  // d, scales_h: u16, scales_l[4], qs[128]: w = d*(scale-32) * value per 32
+  static constexpr int64_t BS = 256, TS = 136;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    const float d = fp16(b);
+    uint16_t sh;
+    std::memcpy(&sh, b + 2, 2);
+    for (int g = 0; g < 8; ++g) {
+      const int sc = (((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+      const float dl = d * static_cast<float>(sc);
+      for (int l = 0; l < 32; ++l)
+        w[32 * g + l] = dl * static_cast<float>(IQ4NL_VALUES[(b[8 + 16 * g + l % 16] >> (4 * (l / 16))) & 15]);
+    }
+  }
+};
+using Q5_1 = Whole<Q5_1D>;
+using IQ4_NL = Whole<IQ4_NLD>;
+using Q2_K = Whole<Q2_KD>;
+using Q3_K = Whole<Q3_KD>;
+using Q5_K = Whole<Q5_KD>;
+using IQ4_XS = Whole<IQ4_XSD>;
 
 // ---------------------------------------------------------------------------------------------
 // GEMM

@@ -184,6 +184,21 @@ QD_INLINE __m256 fp16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// A bit plane (32 bytes: bit v of byte b belongs to vector v's byte b; the Q5 formats' fifth bits,
+// Q3_K's third): vector v's bits moved to bit TO of every byte, the rest zero.
+template <int TO>
+QD_INLINE __m256i plane_bit(__m256i plane, int v) {
+  const __m256i bit = _mm256_and_si256(plane, _mm256_set1_epi8(static_cast<char>(1 << v)));
+  // 16-bit shifts (v is a constant once unrolled); the masked bit never crosses its byte
+  return TO >= v ? _mm256_slli_epi16(bit, TO - v) : _mm256_srli_epi16(bit, v - TO);
+}
+
+// The 16 values of IQ4_NL / IQ4_XS (llama.cpp's kvalues_iq4nl), in both 128-bit halves for pshufb.
+QD_INLINE __m256i iq4_table() {
+  const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm256_set_m128i(t, t);
+}
+
 // 32 bytes at p holding two lane-layout vectors: the low nibbles (vector 2u) and the high ones (2u + 1).
 QD_INLINE void nibble_pair(const uint8_t* p, __m256i& lo, __m256i& hi) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -235,24 +250,11 @@ struct Nibble32L {
     nibble_pair(b + QS + 32 * s, lo, hi);
     if constexpr (QS == 48) {  // Q5_0: bit v of qh' byte b is vector v's 5th bit -> 16
       const __m256i qh = load_256(b + 16);
-      lo = _mm256_or_si256(lo, high_bit(qh, 2 * s));
-      hi = _mm256_or_si256(hi, high_bit(qh, 2 * s + 1));
+      lo = _mm256_or_si256(lo, plane_bit<4>(qh, 2 * s));
+      hi = _mm256_or_si256(hi, plane_bit<4>(qh, 2 * s + 1));
     }
     put(2 * s, lo);
     put(2 * s + 1, hi);
-  }
-  static QD_INLINE __m256i high_bit(__m256i qh, int v) {  // (qh >> v & 1) << 4 per byte
-    const __m256i bit = _mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(1 << v)));
-    switch (v) {  // 16-bit shifts; the masked bit never crosses its byte
-      case 0: return _mm256_slli_epi16(bit, 4);
-      case 1: return _mm256_slli_epi16(bit, 3);
-      case 2: return _mm256_slli_epi16(bit, 2);
-      case 3: return _mm256_slli_epi16(bit, 1);
-      case 4: return bit;
-      case 5: return _mm256_srli_epi16(bit, 1);
-      case 6: return _mm256_srli_epi16(bit, 2);
-      default: return _mm256_srli_epi16(bit, 3);
-    }
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, in, acc);
@@ -265,9 +267,11 @@ struct Q5_0L : Nibble32L<16, 48> {
   static constexpr int64_t BS = 256, TS = 8 * 22, GBS = 32, GTS = 22;
 };
 
-struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m_j * (dx_j * s_j)
-  static constexpr int64_t BS = 256, TS = 8 * 20, GBS = 32, GTS = 20;
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 15 * 127;
+// Q4_1 / Q5_1: [d x 8][m x 8][(Q5_1: qh' 32)][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m_j * (dx_j * s_j)
+template <int64_t QH>  // byte of the fifth-bit plane (Q5_1: 32), or 0 for none (Q4_1)
+struct Min32L {
+  static constexpr int64_t QS = QH ? 64 : 32;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * (QH ? 31 : 15) * 127;
   static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 d, m;
@@ -279,11 +283,49 @@ struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    nibble_seg<32>(s, b, put);
+    __m256i lo, hi;
+    nibble_pair(b + QS + 32 * s, lo, hi);
+    if constexpr (QH != 0) {
+      const __m256i qh = load_256(b + QH);
+      lo = _mm256_or_si256(lo, plane_bit<4>(qh, 2 * s));
+      hi = _mm256_or_si256(hi, plane_bit<4>(qh, 2 * s + 1));
+    }
+    put(2 * s, lo);
+    put(2 * s + 1, hi);
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
     _mm256_store_ps(acc, _mm256_fmadd_ps(p.m, _mm256_load_ps(xc.bm), _mm256_load_ps(acc)));
+  }
+};
+struct Q4_1L : Min32L<0> {
+  static constexpr int64_t BS = 256, TS = 8 * 20, GBS = 32, GTS = 20;
+};
+struct Q5_1L : Min32L<32> {
+  static constexpr int64_t BS = 256, TS = 8 * 24, GBS = 32, GTS = 24;
+};
+
+// IQ4_NL: [d x 8][qs' 128] (Q4_0's lanes): the nibbles index llama.cpp's 16 non-linear int8 values
+// (|w| <= 127), looked up with pshufb; sum x w = dx_j * d_j * sum q w.
+struct IQ4_NLL {
+  static constexpr int64_t BS = 256, TS = 8 * 18, GBS = 32, GTS = 18;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 127;
+  static constexpr bool SIGNED = true, LATENCY_SPLIT = true;
+  struct Pre {
+    __m256 d;
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16x8(b); }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
+  template <class P>
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    __m256i lo, hi;
+    nibble_pair(b + 16 + 32 * s, lo, hi);
+    const __m256i t = iq4_table();
+    put(2 * s, _mm256_shuffle_epi8(t, lo));
+    put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+  }
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
   }
 };
 
@@ -303,9 +345,12 @@ struct Q4_1L {  // [d x 8][m x 8][qs' 128]: sum x w = dx_j * (d_j * sum q'x) + m
 // 2j + 1 for v >= 4; so vectors 0-3 and 4-7 go to two accumulators.
 // ---------------------------------------------------------------------------------------------
 
-struct Q4_KL {
-  static constexpr int64_t BS = 256, TS = 144, GBS = 256, GTS = 144;  // (GGML block = lanes block)
-  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 15 * 127;  // even / odd vectors: two short chains
+// Q4_K / Q5_K lanes: [d, dmin, scales 12][(Q5_K: qh' 32)][qs' 128]
+template <int64_t QH>  // byte of the fifth-bit plane (Q5_K: 16), or 0 for none (Q4_K)
+struct KMinL {
+  static constexpr int64_t QS = QH ? 48 : 16;
+  // even / odd vectors: two short chains
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * (QH ? 31 : 15) * 127;
   static constexpr bool SIGNED = false, LATENCY_SPLIT = true;
   struct Pre {
     __m256 dsc, dmm;  // d * sc_j, dmin * m_j (lane j: 32-group j)
@@ -325,7 +370,15 @@ struct Q4_KL {
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    nibble_seg<16>(s, b, put);
+    __m256i lo, hi;
+    nibble_pair(b + QS + 32 * s, lo, hi);
+    if constexpr (QH != 0) {
+      const __m256i qh = load_256(b + QH);
+      lo = _mm256_or_si256(lo, plane_bit<4>(qh, 2 * s));
+      hi = _mm256_or_si256(hi, plane_bit<4>(qh, 2 * s + 1));
+    }
+    put(2 * s, lo);
+    put(2 * s + 1, hi);
   }
   // sum x w = sum_j dx * d * sc_j * isum_j - dmin * m_j * (dx * bsum_j)
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
@@ -334,6 +387,50 @@ struct Q4_KL {
                                _mm256_load_ps(in));
     a = _mm256_fnmadd_ps(p.dmm, _mm256_load_ps(xc.bm), a);
     _mm256_store_ps(acc, a);
+  }
+};
+struct Q4_KL : KMinL<0> {
+  static constexpr int64_t BS = 256, TS = 144, GBS = 256, GTS = 144;  // (GGML block = lanes block)
+};
+struct Q5_KL : KMinL<16> {
+  static constexpr int64_t BS = 256, TS = 176, GBS = 256, GTS = 176;
+};
+
+// IQ4_XS lanes, 136 bytes: d, scales_h, scales_l[4] as in IQ4_XS; qs' 128 (Q4_K lanes' nibbles)
+// indexing the IQ4_NL values. Scale of 32-group j: ((scales_l >> 4j) & 15 | ((scales_h >> 2j) & 3) << 4) - 32.
+struct IQ4_XSL {
+  static constexpr int64_t BS = 256, TS = 136, GBS = 256, GTS = 136;
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 128 * 127;
+  static constexpr bool SIGNED = true, LATENCY_SPLIT = true;
+  struct Pre {
+    __m256 ds;  // d * (scale_j - 32)
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
+    uint16_t sh;
+    uint32_t sl;
+    std::memcpy(&sh, b + 2, 2);
+    std::memcpy(&sl, b + 4, 4);
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(sl)),
+                                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                        _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                        _mm256_set1_epi32(3));
+    const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    p.ds = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), _mm256_cvtepi32_ps(sc));
+  }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
+  template <class P>
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    __m256i lo, hi;
+    nibble_pair(b + 8 + 32 * s, lo, hi);
+    const __m256i t = iq4_table();
+    put(2 * s, _mm256_shuffle_epi8(t, lo));
+    put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+  }
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    const __m256i is = _mm256_add_epi32(isum[0], isum[1]);
+    _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(p.ds, _mm256_broadcast_ss(xc.d)),
+                                         _mm256_load_ps(in)));
   }
 };
 
@@ -370,6 +467,100 @@ struct Q6_KL {
     const __m256i i1 = _mm256_sub_epi32(isum[1], _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6 + 8)));
     __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(p.dsc[0], dx), _mm256_load_ps(in));
     a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(p.dsc[1], dx), a);
+    _mm256_store_ps(acc, a);
+  }
+};
+
+// Vector 4w + k's 2-bit fields of a 2-bit plane (32 bytes holding vectors 4w .. 4w + 3, vector
+// 4w + k at bits 2k, 2k + 1 of every byte; Q3_K's and Q2_K's low bits).
+QD_INLINE __m256i field2(__m256i plane, int k) {
+  return _mm256_and_si256(_mm256_srli_epi16(plane, 2 * k), _mm256_set1_epi8(3));  // 16-bit shift: masked
+}
+
+// 16 int8 scales (of 16-groups 0..15) -> even ones (groups 2j) and odd ones (2j + 1) as floats times d.
+QD_INLINE void even_odd_scales(__m128i sc, __m256 d, __m256* out) {
+  const __m128i eo = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  out[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eo)));
+  out[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8))));
+}
+
+// Q3_K lanes, 110 bytes: scales[12], d as in Q3_K (moved first); hm' 32 at 14 (bit v of byte b:
+// vector v's third bit, hmask); ql' 64 at 46 (2-bit planes). q = low2 + 4 * hbit in 0..7 and
+// w = d * (scale_g - 32) * (q - 4) over 16-groups g (vectors 0-3: 2j, 4-7: 2j + 1, as Q6_K lanes).
+struct Q3_KL {
+  static constexpr int64_t BS = 256, TS = 110, GBS = 256, GTS = 110;
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 7 * 127;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = false;
+  struct Pre {
+    __m256 dsc[2];  // d * (scale - 32) of 16-group 2j (dsc[0]) and 2j + 1 (dsc[1]) in lane j
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
+    // scale i: low 4 bits = byte i % 8 >> 4 (i / 8); high 2 bits = byte 8 + i % 4 >> 2 (i / 4)
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(a, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4));
+    uint32_t h;
+    std::memcpy(&h, b + 8, 4);
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(static_cast<int>(h)), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+    const __m128i sc = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+    even_odd_scales(sc, _mm256_set1_ps(fp16(b + 12)), p.dsc);
+  }
+  static QD_INLINE int acc_of(int v) { return v / 4; }
+  template <class P>
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    const __m256i ql = load_256(b + 46 + 32 * (s / 2)), hm = load_256(b + 14);
+    const int k = 2 * (s % 2);  // vectors 2s = 4(s/2) + k and 2s + 1
+    put(2 * s, _mm256_or_si256(field2(ql, k), plane_bit<2>(hm, 2 * s)));
+    put(2 * s + 1, _mm256_or_si256(field2(ql, k + 1), plane_bit<2>(hm, 2 * s + 1)));
+  }
+  // sum x w = sum_g dx * d * scale_g * (isum_g - 4 * bsum_g)   (b6 = 32 * bsum: >> 3 is 4 * bsum)
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    const __m256 dx = _mm256_broadcast_ss(xc.d);
+    const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6));
+    const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6 + 8));
+    const __m256i i0 = _mm256_sub_epi32(isum[0], _mm256_srai_epi32(b0, 3));
+    const __m256i i1 = _mm256_sub_epi32(isum[1], _mm256_srai_epi32(b1, 3));
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(p.dsc[0], dx), _mm256_load_ps(in));
+    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(p.dsc[1], dx), a);
+    _mm256_store_ps(acc, a);
+  }
+};
+
+// Q2_K lanes, 84 bytes: scales[16], d, dmin as in Q2_K; ql' 64 at 20 (2-bit planes). Over 16-groups
+// g: w = d * (scale_g & 15) * q - dmin * (scale_g >> 4).
+struct Q2_KL {
+  static constexpr int64_t BS = 256, TS = 84, GBS = 256, GTS = 84;
+  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 3 * 127;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = false;
+  struct Pre {
+    __m256 dsc[2], dmm[2];  // d * scale, dmin * min of 16-groups 2j ([0]) and 2j + 1 ([1]) in lane j
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    even_odd_scales(_mm_and_si128(s, m4), _mm256_set1_ps(fp16(b + 16)), p.dsc);
+    even_odd_scales(_mm_and_si128(_mm_srli_epi16(s, 4), m4), _mm256_set1_ps(fp16(b + 18)), p.dmm);
+  }
+  static QD_INLINE int acc_of(int v) { return v / 4; }
+  template <class P>
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    const __m256i ql = load_256(b + 20 + 32 * (s / 2));
+    const int k = 2 * (s % 2);
+    put(2 * s, field2(ql, k));
+    put(2 * s + 1, field2(ql, k + 1));
+  }
+  // sum x w = sum_g dx * (d * sc_g * isum_g - dmin * m_g * bsum_g)   (bsum_g = b6 >> 5, exact)
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    const __m256 dx = _mm256_broadcast_ss(xc.d);
+    const __m256 s0 = _mm256_cvtepi32_ps(
+        _mm256_srai_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6)), 5));
+    const __m256 s1 = _mm256_cvtepi32_ps(
+        _mm256_srai_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6 + 8)), 5));
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(p.dsc[0], dx), _mm256_load_ps(in));
+    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[1]), _mm256_mul_ps(p.dsc[1], dx), a);
+    a = _mm256_fnmadd_ps(_mm256_mul_ps(p.dmm[0], dx), s0, a);
+    a = _mm256_fnmadd_ps(_mm256_mul_ps(p.dmm[1], dx), s1, a);
     _mm256_store_ps(acc, a);
   }
 };
@@ -451,57 +642,70 @@ inline void repack_lanes(int64_t qtype, uint8_t* blocks, int64_t n, bool to_lane
   }
 }
 
-// Repacks N rows of K values of a 32-block format (GGML ids 2, 3, 6, 8) from src (GGML: K/32
+// The byte layout of a 32-block format in GGML and in lanes (8 blocks per super-block of 256).
+struct Layout32 {
+  int64_t gts;  // GGML block bytes
+  int nsc;      // fp16 fields per block (d; Q4_1 / Q5_1: d, m): GGML bytes 2k, lanes 16k + 2j (block j)
+  int64_t gqh, lqh;  // the 32 fifth bits: GGML u32 at gqh (bit e: element e), lanes plane at lqh; 0: none
+  int64_t gqs, lqs;  // the values: GGML nibbles at gqs (element e < 16 low, else high) or int8 (Q8_0);
+                     // lanes at lqs: vector 2u's byte b in the low nibble of byte 32u + b, 2u + 1's high
+};
+constexpr Layout32 layout32(int64_t qtype) {
+  switch (qtype) {
+    case 2: case 20: return {18, 1, 0, 0, 2, 16};  // Q4_0, IQ4_NL
+    case 3: return {20, 2, 0, 0, 4, 32};           // Q4_1
+    case 6: return {22, 1, 2, 16, 6, 48};          // Q5_0
+    case 7: return {24, 2, 4, 32, 8, 64};          // Q5_1
+    default: return {34, 1, 0, 0, 2, 16};          // Q8_0 (int8 values: vector v at lqs + 32 v)
+  }
+}
+
+// Repacks N rows of K values of a 32-block format (GGML ids 2, 3, 6, 7, 8, 20) from src (GGML: K/32
 // blocks per row) to dst (lanes: ceil(K/256) super-blocks per row, a partial last one padded with
 // zero blocks), or back (to_lanes false). Lossless.
 template <int64_t qtype>  // a constant in the loops below: the per-element branches fold away
 void repack_lanes32_t(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K, bool to_lanes, int nthreads) {
-  const int64_t gts = qtype == 2 ? 18 : qtype == 3 ? 20 : qtype == 6 ? 22 : 34;  // GGML block bytes
-  const int64_t nb = K / 32, nsb = (K + 255) / 256, grow = nb * gts, lrow = nsb * 8 * gts;
+  constexpr Layout32 L = layout32(qtype);
+  const int64_t nb = K / 32, nsb = (K + 255) / 256, grow = nb * L.gts, lrow = nsb * 8 * L.gts;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* in = src + n * (to_lanes ? grow : lrow);
     uint8_t* out = dst + n * (to_lanes ? lrow : grow);
-    if (to_lanes) std::memset(out, 0, lrow);
+    std::memset(out, 0, to_lanes ? lrow : grow);
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t sb = b / 8, j = b % 8;
-      const uint8_t* g = to_lanes ? in + b * gts : nullptr;  // the GGML block
-      uint8_t* go = to_lanes ? nullptr : out + b * gts;
-      uint8_t* l = to_lanes ? out + sb * 8 * gts : const_cast<uint8_t*>(in + sb * 8 * gts);  // its super-block
-      // scales: d at 2j (and Q4_1's m at 16 + 2j)
-      const int nsc = qtype == 3 ? 2 : 1;
-      for (int k = 0; k < nsc; ++k) {
+      const uint8_t* g = to_lanes ? in + b * L.gts : nullptr;  // the GGML block
+      uint8_t* go = to_lanes ? nullptr : out + b * L.gts;
+      uint8_t* l = to_lanes ? out + sb * 8 * L.gts : const_cast<uint8_t*>(in + sb * 8 * L.gts);  // its super-block
+      for (int k = 0; k < L.nsc; ++k) {
         if (to_lanes)
           std::memcpy(l + 16 * k + 2 * j, g + 2 * k, 2);
         else
           std::memcpy(go + 2 * k, l + 16 * k + 2 * j, 2);
       }
-      if (!to_lanes && qtype == 6) std::memset(go + 2, 0, 4);
-      if (!to_lanes && qtype != 8) std::memset(go + (qtype == 3 ? 4 : qtype == 6 ? 6 : 2), 0, 16);
-      uint32_t qh = 0;  // Q5_0's fifth bits: read once per block (to lanes) or gathered, then stored
-      if (qtype == 6 && to_lanes) std::memcpy(&qh, g + 2, 4);
+      uint32_t qh = 0;  // the fifth bits: read once per block (to lanes) or gathered, then stored
+      if (L.gqh && to_lanes) std::memcpy(&qh, g + L.gqh, 4);
       for (int e = 0; e < 32; ++e) {
         const int v = e / 4, r = e % 4;
         const int64_t lb = 4 * j + r;  // byte of vector v holding element e of block j
         if (qtype == 8) {  // int8 as is
           if (to_lanes)
-            l[16 + 32 * v + lb] = g[2 + e];
+            l[L.lqs + 32 * v + lb] = g[L.gqs + e];
           else
-            go[2 + e] = l[16 + 32 * v + lb];
+            go[L.gqs + e] = l[L.lqs + 32 * v + lb];
           continue;
         }
-        const int64_t qs = qtype == 2 ? 2 : qtype == 3 ? 4 : 6;  // GGML nibbles: e < 16 low, else high
-        const int64_t lq = (qtype == 2 ? 16 : qtype == 3 ? 32 : 48) + 32 * (v / 2) + lb;
+        const int64_t lq = L.lqs + 32 * (v / 2) + lb;
         const int lsh = 4 * (v % 2), gsh = e < 16 ? 0 : 4;
         if (to_lanes) {
-          l[lq] |= ((g[qs + e % 16] >> gsh) & 15) << lsh;
-          if (qtype == 6) l[16 + lb] |= ((qh >> e) & 1) << v;
+          l[lq] |= ((g[L.gqs + e % 16] >> gsh) & 15) << lsh;
+          if (L.gqh) l[L.lqh + lb] |= ((qh >> e) & 1) << v;
         } else {
-          go[qs + e % 16] |= ((l[lq] >> lsh) & 15) << gsh;
-          if (qtype == 6) qh |= static_cast<uint32_t>((l[16 + lb] >> v) & 1) << e;
+          go[L.gqs + e % 16] |= ((l[lq] >> lsh) & 15) << gsh;
+          if (L.gqh) qh |= static_cast<uint32_t>((l[L.lqh + lb] >> v) & 1) << e;
         }
       }
-      if (qtype == 6 && !to_lanes) std::memcpy(go + 2, &qh, 4);
+      if (L.gqh && !to_lanes) std::memcpy(go + L.gqh, &qh, 4);
     }
   }
 }
@@ -512,7 +716,87 @@ inline void repack_lanes32(int64_t qtype, const uint8_t* src, uint8_t* dst, int6
     case 2: return repack_lanes32_t<2>(src, dst, N, K, to_lanes, nthreads);
     case 3: return repack_lanes32_t<3>(src, dst, N, K, to_lanes, nthreads);
     case 6: return repack_lanes32_t<6>(src, dst, N, K, to_lanes, nthreads);
+    case 7: return repack_lanes32_t<7>(src, dst, N, K, to_lanes, nthreads);
+    case 20: return repack_lanes32_t<20>(src, dst, N, K, to_lanes, nthreads);
     default: return repack_lanes32_t<8>(src, dst, N, K, to_lanes, nthreads);
+  }
+}
+
+// Q5_K, Q3_K, Q2_K, IQ4_XS: each value's bit fields moved between the GGML block and the lanes block
+// (same block size). A field is (byte, shift) in each layout and a mask; header bytes are copied.
+// Lanes positions of value e (vector v = e % 32 / 4, byte b = 4 (e / 32) + e % 4 of the vector):
+//   nibble at QS + 32 (v / 2) + b, shift 4 (v % 2); plane bit at QH + b, shift v;
+//   2-bit field at QL + 32 (v / 4) + b, shift 2 (v % 4).
+struct KField {
+  QPos ggml, lanes;
+  uint8_t mask;
+};
+struct KLayout {
+  int64_t ts;
+  int ncopy;
+  int64_t copy[3][3];  // (GGML byte, lanes byte, length) of the header fields
+  int nfields;         // bit fields per value (1 or 2)
+  KField field[2][256];
+};
+
+inline KLayout make_klayout(int64_t qtype) {
+  KLayout L{};
+  for (int e = 0; e < 256; ++e) {
+    const int v = e % 32 / 4, b = 4 * (e / 32) + e % 4, g = e / 32, l = e % 32;
+    const QPos nib_l{0, 4 * (v % 2)}, two_l{0, 2 * (v % 4)};
+    auto nib = [&](int qs) { return QPos{qs + 32 * (v / 2) + b, nib_l.shift}; };
+    auto two = [&](int ql) { return QPos{ql + 32 * (v / 4) + b, two_l.shift}; };
+    auto bit = [&](int qh) { return QPos{qh + b, v}; };
+    const QPos low2{32 * (e / 128) + e % 32, 2 * (e % 128 / 32)};  // Q3_K / Q2_K low bits (add qs)
+    switch (qtype) {
+      case 13:  // Q5_K: d, dmin, scales | qh 32 | qs 128 (as Q4_K); lanes qh' at 16, qs' at 48
+        L.ts = 176, L.ncopy = 1, L.nfields = 2;
+        L.copy[0][0] = 0, L.copy[0][1] = 0, L.copy[0][2] = 16;
+        L.field[0][e] = {{48 + 32 * (g / 2) + l, 4 * (g % 2)}, nib(48), 15};
+        L.field[1][e] = {{16 + l, g}, bit(16), 1};
+        break;
+      case 11:  // Q3_K: hmask 32 | qs 64 | scales 12 | d; lanes: scales, d, hm' at 14, ql' at 46
+        L.ts = 110, L.ncopy = 1, L.nfields = 2;
+        L.copy[0][0] = 96, L.copy[0][1] = 0, L.copy[0][2] = 14;
+        L.field[0][e] = {{32 + low2.byte, low2.shift}, two(46), 3};
+        L.field[1][e] = {{e % 32, e / 32}, bit(14), 1};
+        break;
+      case 10:  // Q2_K: scales 16 | qs 64 | d, dmin; lanes: scales, d, dmin, ql' at 20
+        L.ts = 84, L.ncopy = 2, L.nfields = 1;
+        L.copy[0][0] = 0, L.copy[0][1] = 0, L.copy[0][2] = 16;
+        L.copy[1][0] = 80, L.copy[1][1] = 16, L.copy[1][2] = 4;
+        L.field[0][e] = {{16 + low2.byte, low2.shift}, two(20), 3};
+        break;
+      default:  // IQ4_XS (23): d, scales_h, scales_l | qs 128 (16 per 32-group: element l < 16 low)
+        L.ts = 136, L.ncopy = 1, L.nfields = 1;
+        L.copy[0][0] = 0, L.copy[0][1] = 0, L.copy[0][2] = 8;
+        L.field[0][e] = {{8 + 16 * g + l % 16, 4 * (l / 16)}, nib(8), 15};
+        break;
+    }
+  }
+  return L;
+}
+
+inline bool is_klayout_type(int64_t qtype) { return qtype == 10 || qtype == 11 || qtype == 13 || qtype == 23; }
+inline int64_t klayout_bytes(int64_t qtype) { return qtype == 10 ? 84 : qtype == 11 ? 110 : qtype == 13 ? 176 : 136; }
+
+// n blocks from src to dst (to_lanes: GGML -> lanes; else back). Lossless.
+inline void repack_klayout(int64_t qtype, const uint8_t* src, uint8_t* dst, int64_t n, bool to_lanes, int nthreads) {
+  static const KLayout layouts[4] = {make_klayout(10), make_klayout(11), make_klayout(13), make_klayout(23)};
+  const KLayout& L = layouts[qtype == 10 ? 0 : qtype == 11 ? 1 : qtype == 13 ? 2 : 3];
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* in = src + i * L.ts;
+    uint8_t* out = dst + i * L.ts;
+    std::memset(out, 0, L.ts);
+    for (int c = 0; c < L.ncopy; ++c)
+      std::memcpy(out + L.copy[c][to_lanes], in + L.copy[c][!to_lanes], L.copy[c][2]);
+    for (int f = 0; f < L.nfields; ++f)
+      for (int e = 0; e < 256; ++e) {
+        const KField& k = L.field[f][e];
+        const QPos from = to_lanes ? k.ggml : k.lanes, to = to_lanes ? k.lanes : k.ggml;
+        out[to.byte] |= static_cast<uint8_t>(((in[from.byte] >> from.shift) & k.mask) << to.shift);
+      }
   }
 }
 
@@ -720,7 +1004,10 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float*
 }
 
 // GGML type ids (gguf.GGMLQuantizationType)
-enum : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+enum : int64_t {
+  T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+  T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23
+};
 // The lane layouts' ids (not GGML types): the GGML id + LANES_ID.
 constexpr int64_t LANES_ID = 1000;
 
@@ -731,9 +1018,15 @@ bool dispatch(int64_t qtype, Fn&& fn) {
     case T_Q4_0 + LANES_ID: fn(Q4_0L{}); return true;
     case T_Q4_1 + LANES_ID: fn(Q4_1L{}); return true;
     case T_Q5_0 + LANES_ID: fn(Q5_0L{}); return true;
+    case T_Q5_1 + LANES_ID: fn(Q5_1L{}); return true;
     case T_Q8_0 + LANES_ID: fn(Q8_0L{}); return true;
+    case T_IQ4_NL + LANES_ID: fn(IQ4_NLL{}); return true;
+    case T_Q2_K + LANES_ID: fn(Q2_KL{}); return true;
+    case T_Q3_K + LANES_ID: fn(Q3_KL{}); return true;
     case T_Q4_K + LANES_ID: fn(Q4_KL{}); return true;
+    case T_Q5_K + LANES_ID: fn(Q5_KL{}); return true;
     case T_Q6_K + LANES_ID: fn(Q6_KL{}); return true;
+    case T_IQ4_XS + LANES_ID: fn(IQ4_XSL{}); return true;
     default: return false;
   }
 }

@@ -1,10 +1,14 @@
-"""Linear layers that keep GGUF weights in their own GGML blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
+"""Linear layers that keep GGUF weights in their own GGML blocks.
+
+Block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32 values per block) and Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K, IQ4_XS (256 per block); F16 and BF16 matrices are kept as they are and always multiplied
+with fp32 activations (the f32 kernels, 32 values at a time).
 
 Two activation modes (per layer, :func:`set_activation_mode` for a whole model; the process
 default is "q8", or whatever ``QUICKDRAFT_ACTIVATIONS=f32|q8`` says):
 
 * ``"q8"`` (default): each input row is rounded to int8 per block before the product, as llama.cpp
-  does: per 256 values for K-quant weights (Q4_K, Q6_K), per 32 for the others, with an fp32
+  does: per 256 values for 256-value blocks (K-quants, IQ4_XS), per 32 for the others, with an fp32
   scale ``d = amax / 127`` and ``q = round_half_even(x / d)``. The weights are used exactly. The
   kernels then compute with integer dot products: decode (1 row) runs at memory bandwidth, and a
   (k+1)-row verification pass costs little more than one row. Numerically the layer computes
@@ -75,9 +79,7 @@ def _dq_q4_1(b: torch.Tensor) -> torch.Tensor:
 
 def _dq_q5_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 0)
-    qh = b[:, 2:6].contiguous().view(torch.int32)  # [nb, 1], little-endian
-    hi = ((qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1).to(torch.int16)
-    q = (_nibbles(b[:, 6:22]).to(torch.int16) | (hi << 4)) - 16
+    q = (_nibbles(b[:, 6:22]).to(torch.int16) | (_bits32(b[:, 2:6]) << 4)) - 16
     return d * q.to(torch.float32)
 
 
@@ -86,18 +88,113 @@ def _dq_q8_0(b: torch.Tensor) -> torch.Tensor:
     return b[:, 2:34].contiguous().view(torch.int8).to(torch.float32) * d
 
 
-def _dq_q4_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    s = b[:, 4:16]
+def _dq_q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b, 0), _f16(b, 2)
+    hi = _bits32(b[:, 4:8])
+    q = (_nibbles(b[:, 8:24]).to(torch.int16) | (hi << 4)).to(torch.float32)
+    return (d * q) + m
+
+
+def _bits32(qh: torch.Tensor) -> torch.Tensor:
+    """[nb, 4] bytes of a little-endian u32 -> its 32 bits [nb, 32] (int16, bit e at e)."""
+    word = qh.contiguous().view(torch.int32)  # [nb, 1]
+    return ((word >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1).to(torch.int16)
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes [nb, 12] -> the 8 6-bit scales and 8 mins [nb, 8] (uint8)."""
     sd, sm, smd = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = torch.cat([sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30)], dim=-1)
     mn = torch.cat([sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _dq_q4_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
     dl = (d * sc.to(torch.float32)).reshape(nb, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(nb, 8, 1)
     qs = b[:, 16:144].reshape(nb, 4, 1, 32)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32).to(torch.float32)
     return (dl * q - ml).reshape(nb, 256)
+
+
+def _dq_q5_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dl = (d * sc.to(torch.float32)).reshape(nb, 8, 1)
+    ml = (dmin * mn.to(torch.float32)).reshape(nb, 8, 1)
+    qh = b[:, 16:48].reshape(nb, 1, 1, 32)
+    qs = b[:, 48:176].reshape(nb, 4, 1, 32)
+    lo = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32)
+    hi = torch.cat([(qh >> i) & 1 for i in range(8)], dim=2).reshape(nb, 8, 32)
+    q = (lo | (hi << 4)).to(torch.float32)
+    return (dl * q - ml).reshape(nb, 256)
+
+
+def _two_bit_fields(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K low bits: [nb, 64] bytes -> [nb, 16, 16] (element e: byte 32(e/128) + e%32,
+    bits 2((e%128)/32))."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, 2, 1, 32)
+    return torch.cat([(q >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(nb, 16, 16)
+
+
+def _dq_q2_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    sc = b[:, 0:16]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    dl = (d * (sc & 0x0F).to(torch.float32)).reshape(nb, 16, 1)
+    ml = (dmin * (sc >> 4).to(torch.float32)).reshape(nb, 16, 1)
+    q = _two_bit_fields(b[:, 16:80]).to(torch.float32)
+    return (dl * q - ml).reshape(nb, 256)
+
+
+def _dq_q3_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    s, d = b[:, 96:108], _f16(b, 108)
+    lo = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)  # scale i: byte i % 8, nibble i / 8
+    hi = torch.cat([(s[:, 8:12] >> sh) & 3 for sh in (0, 2, 4, 6)], dim=1)  # byte 8 + i % 4, field i / 4
+    scales = (lo | (hi << 4)).to(torch.int16) - 32
+    dl = (d * scales.to(torch.float32)).reshape(nb, 16, 1)
+    hm = b[:, 0:32].reshape(nb, 1, 1, 32)
+    hb = torch.cat([(hm >> i) & 1 for i in range(8)], dim=2).reshape(nb, 16, 16)
+    q = _two_bit_fields(b[:, 32:96]).to(torch.int16) - ((hb ^ 1) << 2).to(torch.int16)
+    return (dl * q.to(torch.float32)).reshape(nb, 256)
+
+
+# llama.cpp's kvalues_iq4nl: the 16 values an IQ4_NL / IQ4_XS nibble indexes
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4(idx: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=idx.device)[idx.long()]
+
+
+def _dq_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _iq4(_nibbles(b[:, 2:18]))
+
+
+def _dq_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    d = _f16(b, 0)
+    sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [nb, 1]
+    sl = b[:, 4:8]
+    lo = torch.stack([sl & 0x0F, sl >> 4], dim=2).reshape(nb, 8).to(torch.int32)
+    hi = (sh >> (2 * torch.arange(8, dtype=torch.int32, device=b.device))) & 3
+    dl = (d * ((lo | (hi << 4)) - 32).to(torch.float32)).reshape(nb, 8, 1)
+    qs = b[:, 8:136].reshape(nb, 8, 16)
+    return (dl * _iq4(torch.cat([qs & 0x0F, qs >> 4], dim=2))).reshape(nb, 256)
+
+
+def _dq_f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _dq_bf16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.bfloat16).to(torch.float32)
 
 
 def _dq_q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -116,11 +213,32 @@ _DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_0: _dq_q4_0,
     Q.Q4_1: _dq_q4_1,
     Q.Q5_0: _dq_q5_0,
+    Q.Q5_1: _dq_q5_1,
     Q.Q8_0: _dq_q8_0,
+    Q.IQ4_NL: _dq_iq4_nl,
+    Q.Q2_K: _dq_q2_k,
+    Q.Q3_K: _dq_q3_k,
     Q.Q4_K: _dq_q4_k,
+    Q.Q5_K: _dq_q5_k,
     Q.Q6_K: _dq_q6_k,
+    Q.IQ4_XS: _dq_iq4_xs,
+    Q.F16: _dq_f16,
+    Q.BF16: _dq_bf16,
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DEQUANT)
+FLOAT_TYPES: tuple[GGMLQuantizationType, ...] = (Q.F16, Q.BF16)  # kept as they are; fp32 activations
+FLOAT_BLOCK = 32  # the kernels read F16 / BF16 rows 32 values at a time: in_features must divide
+
+
+def ggml_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` values in the GGML layout."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    return in_features // bs * ts
+
+
+def block_size(qtype: GGMLQuantizationType) -> int:
+    """Values per block as the kernels read them (F16 / BF16: 32, else GGML's block size)."""
+    return FLOAT_BLOCK if qtype in FLOAT_TYPES else GGML_QUANT_SIZES[qtype][0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,15 +248,15 @@ SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DEQUANT)
 # GGMLLinear repacks into it on the first q8 kernel call and back for everything else.
 # --------------------------------------------------------------------------------------------
 
-LANE_TYPES: tuple[GGMLQuantizationType, ...] = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+LANE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES)
 LANES_ID = 1000  # the kernels' id of a lane layout: GGML type id + LANES_ID
 
 
 def lanes_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
-    """Bytes per row in the lane layout: the GGML row for Q4_K / Q6_K; for the 32-block formats
-    ceil(K / 256) super-blocks of 8 blocks (a partial last one padded)."""
+    """Bytes per row in the lane layout: the GGML row for 256-value blocks (K-quants, IQ4_XS); for
+    the 32-block formats ceil(K / 256) super-blocks of 8 blocks (a partial last one padded)."""
     bs, ts = GGML_QUANT_SIZES[qtype]
-    if qtype in (Q.Q4_K, Q.Q6_K):
+    if bs == 256:
         return in_features // bs * ts
     return -(-in_features // 256) * 8 * ts
 
@@ -225,12 +343,15 @@ def dequantize_reference(
 # --------------------------------------------------------------------------------------------
 
 ACTIVATION_MODES = ("q8", "f32")
-_K_QUANTS = (Q.Q4_K, Q.Q6_K)
 
 
-def activation_block_size(qtype: GGMLQuantizationType | int) -> int:
-    """Values per activation scale in q8 mode: 256 for K-quant weights ("Q8_K"), else 32."""
-    return 256 if _qtype(qtype) in _K_QUANTS else 32
+def activation_block_size(qtype: GGMLQuantizationType | int) -> int | None:
+    """Values per activation scale in q8 mode: 256 for 256-value weight blocks ("Q8_K"), 32 for
+    32-value ones, None for F16 / BF16 weights (their activations stay fp32 in either mode)."""
+    qt = _qtype(qtype)
+    if qt in FLOAT_TYPES:
+        return None
+    return 256 if GGML_QUANT_SIZES[qt][0] == 256 else 32
 
 
 def quantize_activations_reference(
@@ -428,7 +549,7 @@ class GGMLLinear(nn.Module):
         self._qt = int(self.qtype)
         if lanes and self.qtype not in LANE_TYPES:
             raise ValueError(f"{self.qtype.name} has no lane layout")
-        bs, ts = GGML_QUANT_SIZES[self.qtype]
+        bs = block_size(self.qtype)
         if not isinstance(raw, torch.Tensor):
             raw = torch.as_tensor(raw)
         if raw.dtype != torch.uint8:
@@ -437,7 +558,7 @@ class GGMLLinear(nn.Module):
             raise ValueError(
                 f"in_features {in_features} is not a multiple of the {self.qtype.name} block size {bs}"
             )
-        row_bytes = lanes_row_bytes(self.qtype, in_features) if lanes else in_features // bs * ts
+        row_bytes = lanes_row_bytes(self.qtype, in_features) if lanes else ggml_row_bytes(self.qtype, in_features)
         if raw.dim() == 1:
             raw = raw.reshape(-1, row_bytes)
         if raw.dim() != 2 or raw.shape[1] != row_bytes:
@@ -517,8 +638,8 @@ class GGMLLinear(nn.Module):
         one. Rows are independent in both layouts, so the copy keeps the current one (no repack)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.raw.device)
         bias = None if self.bias is None else self.bias.index_select(0, ids)
-        bs, ts = GGML_QUANT_SIZES[self.qtype]
-        sub = GGMLLinear(self.qtype, self.raw.new_empty((0, self.in_features // bs * ts)), self.in_features,
+        sub = GGMLLinear(self.qtype, self.raw.new_empty((0, ggml_row_bytes(self.qtype, self.in_features))),
+                         self.in_features,
                          activations=self._activations)
         sub.raw = self.raw.index_select(0, ids)
         sub.bias = bias
@@ -554,7 +675,7 @@ class GGMLLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mod = _active_kernels()
-        q8 = (self.activations or _default_mode or default_activation_mode()) == "q8"
+        q8 = self._act_block is not None and (self.activations or _default_mode or default_activation_mode()) == "q8"
         if mod is not None and x.is_cpu and self.raw.is_cpu:
             if x.dtype != torch.float32:
                 x = x.float()
@@ -573,7 +694,7 @@ class GGMLLinear(nn.Module):
         self._set_layout(False)
         x2 = x.reshape(-1, self.in_features).float()
         if q8:
-            x2 = q8_activations_reference(x2, self._act_block)
+            x2 = q8_activations_reference(x2, self._act_block or 32)
         y = self._reference_forward(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
