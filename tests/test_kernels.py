@@ -44,17 +44,30 @@ from quickdraft.quant.ggml import (
 )
 
 Q = GGMLQuantizationType
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+# Block formats (the q8 GEMM's), then the float matrices the f32 kernels read as they are.
+BLOCK_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+FLOAT_FORMATS = [Q.F16, Q.BF16]
+FORMATS = BLOCK_FORMATS + FLOAT_FORMATS
 # Byte offsets of the fp16 fields (scales, mins) inside each block.
-FP16_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+FP16_FIELDS = {
+    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.IQ4_NL: [0], Q.Q2_K: [80, 82],
+    Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0],
+}
+UNSUPPORTED = Q.IQ2_XXS  # a GGML type without a kernel (66 bytes per 256 values)
 ROWS = [1, 2, 3, 4, 7, 8, 9, 16, 31, 32, 33, 100]
 
 
 def random_raw(
     qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0, scale: float = 0.02
 ) -> np.ndarray:
-    """Random valid blocks: random bytes, with finite fp16 values in the scale fields."""
+    """Random valid blocks: random bytes, with finite fp16 values in the scale fields (F16 / BF16:
+    random finite values of that size)."""
     rng = np.random.default_rng(seed)
+    if qtype in FLOAT_FORMATS:
+        w = np.clip(rng.standard_normal((n, k)) * scale, -65000, 65000).astype(np.float32)
+        if qtype == Q.F16:
+            return w.astype(np.float16).view(np.uint8).reshape(n, 2 * k)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, 2 * k)
     bs, ts = GGML_QUANT_SIZES[qtype]
     nb = n * (k // bs)
     raw = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
@@ -93,23 +106,32 @@ def f32_linear(*args, **kwargs) -> GGMLLinear:
 
 
 # Byte offset of the fp16 min field (Q4_1: m, Q4_K: dmin): the part of w that is not scale * q.
-MIN_FIELD = {Q.Q4_1: 2, Q.Q4_K: 2}
+MIN_FIELD = {Q.Q4_1: 2, Q.Q5_1: 2, Q.Q4_K: 2, Q.Q5_K: 2, Q.Q2_K: 82}
+# Formats whose values are summed as q and an offset in separate terms (w = s * (q - OFF), q >= 0).
+OFFSET = {Q.Q6_K: 32, Q.Q3_K: 4}
+
+
+# Bytes that set every value of a block to OFF + 1 (so the block dequantizes to its scales).
+UNIT_BYTES = {Q.Q6_K: ((0, 128, 0x11), (128, 192, 0xAA)), Q.Q3_K: ((0, 32, 0xFF), (32, 96, 0x55))}
 
 
 def weight_magnitude(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """|scale * q| + |min| per weight: what the q8 kernels' partial sums are made of. (A Q4_K
     weight d*sc*q - dmin*m is summed as two separate terms, so their sizes, not the size of
     their difference, bound the rounding; Q6_K's (q - 32) is summed as q and 32 in different
-    accumulator lanes, so |q| + 32 <= |q - 32| + 64 counts.)"""
+    accumulator lanes, so |q| + 32 <= |q - 32| + 64 counts; Q3_K's (q - 4) likewise.)"""
     w = gguf_dequantize(raw, qtype)
-    if qtype == Q.Q6_K:
-        blocks = raw.reshape(-1, 210)
-        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [nb, 1]
-        sc = np.abs(d * blocks[:, 192:208].view(np.int8).astype(np.float32))  # [nb, 16]
-        return np.abs(w) + 64 * np.repeat(sc, 16, axis=1).reshape(w.shape)
-    if qtype not in MIN_FIELD:
+    if qtype in FLOAT_FORMATS:
         return np.abs(w)
     bs, ts = GGML_QUANT_SIZES[qtype]
+    if qtype in OFFSET:
+        blocks = raw.reshape(-1, ts).copy()
+        for a, b, v in UNIT_BYTES[qtype]:
+            blocks[:, a:b] = v
+        unit = gguf_dequantize(blocks.reshape(raw.shape), qtype)  # each weight's scale
+        return np.abs(w) + 2 * OFFSET[qtype] * np.abs(unit)
+    if qtype not in MIN_FIELD:
+        return np.abs(w)
     blocks = raw.reshape(-1, ts).copy()
     blocks[:, MIN_FIELD[qtype] : MIN_FIELD[qtype] + 2] = 0  # fp16 +0: the min term vanishes
     w0 = gguf_dequantize(blocks.reshape(raw.shape), qtype)
@@ -380,7 +402,7 @@ def test_activation_quantization_bit_exact(bs):
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_q8_matches_reference_all_row_counts(qtype):
     bs, _ = GGML_QUANT_SIZES[qtype]
     n, k = 61, 2 * max(bs, 256) + (bs if bs == 32 else 0)  # odd N; 32-blocks: a partial chunk
@@ -398,7 +420,7 @@ def test_q8_matches_reference_all_row_counts(qtype):
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_q8_extreme_blocks_do_not_saturate(qtype):
     """All weight bytes at their largest magnitude and |x| at the quantizer's 127: the integer
     pair sums reach their bound (Q8_0: 2 * 128 * 127) and must not saturate int16."""
@@ -409,7 +431,8 @@ def test_q8_extreme_blocks_do_not_saturate(qtype):
     fp16 = set()
     for off in FP16_FIELDS[qtype]:
         fp16 |= {off, off + 1}
-    fill = {Q.Q8_0: 0x80, Q.Q6_K: 0xFF}.get(qtype, 0xFF)  # Q8_0: -128; others: all bits set
+    # Q8_0: -128; IQ4: index 0 = -127 (and IQ4_XS scales -32); others: all bits set
+    fill = {Q.Q8_0: 0x80, Q.IQ4_NL: 0x00, Q.IQ4_XS: 0x00}.get(qtype, 0xFF)
     for col in range(ts):
         if col not in fp16:
             blocks[:, col] = fill
@@ -425,7 +448,7 @@ def test_q8_extreme_blocks_do_not_saturate(qtype):
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_q8_batch_invariance(qtype):
     """Row i of a T-row call is bitwise the row computed alone, for T = 1..33 and 100."""
     bs, _ = GGML_QUANT_SIZES[qtype]
@@ -531,11 +554,11 @@ def test_lanes_kernel_repack_equals_reference(qtype):
     with pytest.raises(RuntimeError, match="lane layout"):
         mod.linear_q8(int(qtype), raw, torch.randn(2, k), k)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="no lane layout"):
-        mod.repack_lanes(int(Q.Q2_K), torch.zeros(1, 84, dtype=torch.uint8), 256, True)  # type: ignore[union-attr]
+        mod.repack_lanes(int(UNSUPPORTED), torch.zeros(1, 66, dtype=torch.uint8), 256, True)  # type: ignore[union-attr]
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_lanes_layout_switches_with_the_path(qtype):
     """A q8 kernel call repacks the module's weight into lanes (a copy: the caller's tensor is left
     alone; 32-block formats: super-blocks of 8, the last one padded); dequantize, embedding, the f32
@@ -573,7 +596,7 @@ def test_lanes_layout_switches_with_the_path(qtype):
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_select_rows_keeps_the_layout_and_the_rows_outputs(qtype):
     """select_rows (a draft model's cut output head) copies rows in the current layout: lanes stay
     lanes (no repack), and each kept row's output is bitwise the full layer's."""
@@ -628,7 +651,7 @@ def test_linear_multi_falls_back_to_separate_calls():
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_reference_q8_path_agrees_with_kernels(qtype):
     """Without the kernels (reference path) the q8 mode computes the same function."""
     n, k = 33, 512
@@ -765,7 +788,7 @@ def test_module_buffers_and_validation():
     assert "Q4_K" in repr(lin)
     assert set(SUPPORTED_TYPES) == set(FORMATS)
     with pytest.raises(ValueError, match="not supported"):
-        GGMLLinear(Q.Q2_K, torch.zeros(1, 84, dtype=torch.uint8), 256)
+        GGMLLinear(UNSUPPORTED, torch.zeros(1, 66, dtype=torch.uint8), 256)
     with pytest.raises(ValueError, match="multiple"):
         GGMLLinear(Q.Q4_K, raw, 100)
     with pytest.raises(ValueError):
@@ -801,7 +824,7 @@ def test_extension_builds_from_package_sources():
 
 
 @requires_kernels
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_q8_isas_bitwise_equal(qtype):
     """The AVX-512 VNNI build computes the same integer sums and float steps as the AVX2 build:
     bitwise-equal outputs for every format, row count and tile shape (random and extreme blocks).
@@ -818,7 +841,7 @@ def test_q8_isas_bitwise_equal(qtype):
     raw = random_raw(qtype, n, k, seed=21)
     extreme = raw.reshape(-1, ts).copy()
     fp16 = {b for off in FP16_FIELDS[qtype] for b in (off, off + 1)}
-    extreme[:, [c for c in range(ts) if c not in fp16]] = 0x80 if qtype == Q.Q8_0 else 0xFF
+    extreme[:, [c for c in range(ts) if c not in fp16]] = {Q.Q8_0: 0x80, Q.IQ4_NL: 0, Q.IQ4_XS: 0}.get(qtype, 0xFF)
     bias = torch.randn(n)
     g = torch.Generator().manual_seed(5)
     prev = kernels.set_isa("auto")

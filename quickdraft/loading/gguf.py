@@ -1,15 +1,18 @@
 """GGUF files: metadata -> ModelConfig, tensors -> Hugging Face names (dequantized by ``gguf``).
 
 The ``gguf`` package (from the llama.cpp project) parses the file and dequantizes every block
-format the shipped models use (F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K). When quantized
-weights are kept for the CPU kernels, a matrix in a format the kernels lack (Q5_K, Q3_K, BF16 ...)
-is dequantized instead, so such files still load.
+format. When quantized weights are kept for the CPU kernels, a matrix in a format the kernels
+compute on (:data:`quickdraft.quant.ggml.SUPPORTED_TYPES`: Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL,
+IQ4_XS, F16, BF16) stays in its blocks; one in any other format (IQ2_XXS, TQ1_0 ...) is
+dequantized to float32 instead, so such files still load, and the load says so in one line per
+type with what it costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +213,7 @@ def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTe
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
         raw = _unpermute(raw, heads)  # a permutation of whole rows, so blocks stay intact
     n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-    copy = torch.from_numpy(np.array(raw, dtype=np.uint8))
+    copy = torch.from_numpy(np.array(raw.view(np.uint8).reshape(n, -1)))  # (F16 / BF16: their bytes)
     release_pages(t.data)
     return QuantTensor(t.tensor_type, copy, (n, k))
 
@@ -232,14 +235,34 @@ class QuantTensor:
     lanes: bool = False
 
 
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+def _kernel_type(t: Any) -> bool:
+    """True if :class:`quickdraft.quant.ggml.GGMLLinear` computes on this matrix's blocks directly."""
+    from quickdraft.quant.ggml import SUPPORTED_TYPES, block_size
+
+    return t.tensor_type in SUPPORTED_TYPES and len(t.shape) == 2 and int(t.shape[0]) % block_size(t.tensor_type) == 0
 
 
-def _kernel_types() -> tuple[GGMLQuantizationType, ...]:
-    """Block formats :class:`quickdraft.quant.ggml.GGMLLinear` computes on directly."""
-    from quickdraft.quant.ggml import SUPPORTED_TYPES
+@dataclass
+class DequantizedTypes:
+    """Matrices of types without a kernel, dequantized at load: per type, (count, file bytes, fp32 bytes)."""
 
-    return tuple(t for t in SUPPORTED_TYPES if t not in _FLOAT_TYPES)
+    seen: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def add(self, t: Any, fp32_bytes: int) -> None:
+        entry = self.seen.setdefault(t.tensor_type.name, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += int(t.n_bytes)
+        entry[2] += fp32_bytes
+
+    def report(self) -> None:
+        for name, (count, file_bytes, fp32_bytes) in self.seen.items():
+            print(
+                f"note: {count} matrices of type {name} have no native kernel in quickdraft: dequantized to "
+                f"float32 ({fp32_bytes / 2**20:,.0f} MB in memory instead of {file_bytes / 2**20:,.0f} MB, and "
+                "each decode step reads them all); requantize the file to Q4_K_M, Q5_K_M, Q6_K, Q8_0 or IQ4_XS "
+                "for full speed",
+                file=sys.stderr,
+            )
 
 
 def iter_tensors(
@@ -248,17 +271,18 @@ def iter_tensors(
     """Yield ``(hf_name, tensor)`` for every tensor in HF layout: float32, or with
     ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
     permute = cfg.model_type == "llama"
-    kernel_types = _kernel_types() if keep_quantized else ()
+    dequantized = DequantizedTypes()
     for t in reader.tensors:
         name = hf_name(t.name, cfg.model_type)
         if name is None:
             if t.name.startswith("rope_freqs"):
                 continue  # read by rope_freq_factors() into the config
             raise QuickdraftError(f"unexpected tensor {t.name!r} in GGUF; this model variant is not supported")
-        # Block formats the kernels lack (Q5_K, Q3_K, BF16 ...) are dequantized below instead.
-        if keep_quantized and t.tensor_type in kernel_types and len(t.shape) == 2:
+        if keep_quantized and _kernel_type(t):
             yield name, _quant_tensor(t, name, cfg, permute)
             continue
+        if keep_quantized and len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32:
+            dequantized.add(t, 4 * int(np.prod(t.shape)))  # formats the kernels lack: fp32 below
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -273,3 +297,4 @@ def iter_tensors(
         if cfg.model_type in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         yield name, torch.from_numpy(np.ascontiguousarray(w))
+    dequantized.report()

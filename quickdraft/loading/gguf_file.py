@@ -164,8 +164,15 @@ class GGUFFile:
 
     @staticmethod
     def _tensor(mm: np.memmap, start: int, size: int, name: str, dims: tuple[int, ...], kind: int, offset: int) -> TensorInfo:
-        qtype = GGMLQuantizationType(kind)
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        try:
+            qtype = GGMLQuantizationType(kind)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name} has GGML type id {kind}, which the gguf package does not know") from None
+        if dims and dims[0] % block:
+            raise ValueError(
+                f"tensor {name} ({qtype.name}) has rows of {dims[0]} values, not a multiple of its block size {block}"
+            )
         count = int(np.prod(dims)) if dims else 1
         n_bytes = count // block * type_size
         begin = start + offset

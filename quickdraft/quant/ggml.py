@@ -601,8 +601,11 @@ class GGMLLinear(nn.Module):
 
     @property
     def activation_mode(self) -> str:
-        """The mode forward uses now: its own, or the process default."""
-        return self.activations or default_activation_mode()
+        """The mode forward uses now: its own, or the process default; always "f32" for F16 / BF16
+        weights (there is nothing to gain from rounding activations for them)."""
+        if self._act_block is None:
+            return "f32"
+        return self.activations or _default_mode or default_activation_mode()
 
     @property
     def weight_bytes(self) -> int:
@@ -675,7 +678,7 @@ class GGMLLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mod = _active_kernels()
-        q8 = self._act_block is not None and (self.activations or _default_mode or default_activation_mode()) == "q8"
+        q8 = self.activation_mode == "q8"
         if mod is not None and x.is_cpu and self.raw.is_cpu:
             if x.dtype != torch.float32:
                 x = x.float()
@@ -694,7 +697,8 @@ class GGMLLinear(nn.Module):
         self._set_layout(False)
         x2 = x.reshape(-1, self.in_features).float()
         if q8:
-            x2 = q8_activations_reference(x2, self._act_block or 32)
+            assert self._act_block is not None  # (q8 mode implies a block format)
+            x2 = q8_activations_reference(x2, self._act_block)
         y = self._reference_forward(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -732,7 +736,7 @@ def ggml_linear_multi(modules: Sequence[nn.Module], x: torch.Tensor) -> list[tor
             isinstance(m, GGMLLinear)
             and m.raw.is_cpu
             and m.in_features == x.shape[-1]
-            and (m.activations or _default_mode or default_activation_mode()) == "q8"
+            and m.activation_mode == "q8"
             for m in modules
         )
     ):
