@@ -195,9 +195,12 @@ def test_gguf_conversion_matches_transformers(tiny: Any, tiny_dir: Path, name: s
     assert_close(logits, t.expected)
 
 
-def test_block_formats_without_kernels_are_dequantized(tiny: Any, tiny_dir: Path) -> None:
-    """With quantized weights kept (dtype auto), formats the kernels compute on stay in blocks and
-    the others (here Q5_1 and BF16) are dequantized to plain weights instead of failing."""
+def test_block_formats_without_kernels_are_dequantized(
+    tiny: Any, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With quantized weights kept (dtype auto), formats the kernels compute on stay in blocks
+    (here Q8_0, Q5_1 and BF16) and the others (MXFP4) are dequantized to plain weights instead of
+    failing, with one line per such type saying what it costs."""
     from quickdraft.loading.gguf import QuantTensor
     from quickdraft.quant.ggml import GGMLLinear, kernels_available
 
@@ -205,21 +208,24 @@ def test_block_formats_without_kernels_are_dequantized(tiny: Any, tiny_dir: Path
     path = hf_to_gguf(
         t.folder,
         tiny_dir / "mixed.gguf",
-        qtypes={"attn_q.weight": "Q8_0", "attn_k.weight": "Q5_1", "ffn_up.weight": "BF16"},
+        qtypes={"attn_q.weight": "Q8_0", "attn_k.weight": "Q5_1", "ffn_up.weight": "BF16", "ffn_gate.weight": "MXFP4"},
     )
     reader = gguf_io.open_gguf(path)
     cfg = gguf_io.config_from_metadata(gguf_io.metadata(reader), {ti.name for ti in reader.tensors})
+    capsys.readouterr()
     weights = dict(gguf_io.iter_tensors(reader, cfg, keep_quantized=True))
-    assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], QuantTensor)
-    assert isinstance(weights["model.layers.0.self_attn.k_proj.weight"], torch.Tensor)
-    assert isinstance(weights["model.layers.0.mlp.up_proj.weight"], torch.Tensor)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj"):
+        assert isinstance(weights[f"model.layers.0.{name}.weight"], QuantTensor), name
+    assert isinstance(weights["model.layers.0.mlp.gate_proj.weight"], torch.Tensor)
+    note = [line for line in capsys.readouterr().err.splitlines() if "no native kernel" in line]
+    assert len(note) == 1 and f"{cfg.num_hidden_layers} matrices of type MXFP4" in note[0], note
     exact = load_model(str(path), dtype="float32", max_context=64)
     auto = load_model(str(path), max_context=64)
     layer = auto.model.model.layers[0]
     if kernels_available():  # else "auto" means bf16 dense weights for everything
         assert isinstance(layer.self_attn.q_proj, GGMLLinear)
-        assert not isinstance(layer.self_attn.k_proj, GGMLLinear)
-        assert not isinstance(layer.mlp.up_proj, GGMLLinear)
+        assert isinstance(layer.self_attn.k_proj, GGMLLinear) and isinstance(layer.mlp.up_proj, GGMLLinear)
+        assert not isinstance(layer.mlp.gate_proj, GGMLLinear)
     ids = torch.tensor(t.ids)
     expected = exact.model(ids, exact.model.new_cache())[0]
     assert_close(auto.model(ids, auto.model.new_cache())[0], expected, rel=5e-2)

@@ -253,6 +253,35 @@ def test_real_tensors_qwen05(qwen05_gguf):
     _check_real(_real_tensors(qwen05_gguf, {Q.Q5_0: 2, Q.Q4_K: 2, Q.Q6_K: 2, Q.Q8_0: 2}))
 
 
+DATA = Path(__file__).parent / "data"  # tiny models quantized by llama.cpp's llama-quantize (make_quantized.py)
+LLAMACPP_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.IQ4_XS, Q.IQ4_NL]
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", LLAMACPP_TYPES, ids=lambda q: q.name)
+def test_llamacpp_quantized_tensors(qtype):
+    """Blocks written by llama.cpp's own quantizer: dequantization bit-exact to gguf's, both
+    activation modes within their bounds of the dequantized product, and a row alone bitwise
+    the same row in a 17-row pass."""
+    reader = GGUFReader(DATA / f"tiny-qwen2-256-{qtype.name}.gguf")
+    tensors = [t for t in reader.tensors if len(t.data.shape) == 2 and t.name.startswith("blk.0.")]
+    assert tensors and all(t.tensor_type == qtype for t in tensors)
+    g = torch.Generator().manual_seed(0)
+    for t in tensors:
+        raw, k = np.array(t.data), int(t.shape[0])
+        expected = gguf_dequantize(raw, qtype)
+        assert np.array_equal(bits(dequantize_reference(qtype, torch.from_numpy(raw), k)), bits(expected))
+        lin = f32_linear(qtype, torch.from_numpy(raw), k)
+        assert np.array_equal(bits(lin.dequantize()), bits(expected)), t.name
+        x = torch.randn(17, k, generator=g)
+        assert_close_fp32(lin(x), ref_linear(x, expected), x, expected)
+        lin.activations = "q8"
+        y = lin(x)
+        assert_close_q8(y, x, raw, qtype)
+        for i in (0, 9, 16):
+            assert torch.equal(lin(x[i : i + 1]), y[i : i + 1]), (t.name, i)
+
+
 # ------------------------------------------------------------------------------------------------
 # Kernels, f32 activations: accuracy, batch invariance, bias, embedding
 # ------------------------------------------------------------------------------------------------

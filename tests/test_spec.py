@@ -355,6 +355,50 @@ def test_gguf_native_ngram_and_rows(tiny_gguf: Case) -> None:
     check_rows_bitwise(tiny_gguf.loaded.model, tiny_gguf.prompt, tiny_gguf.truth[:20], [2, 4, 8, 9, 17], [0, 3])
 
 
+# Every block format beyond the shipped models' (each file: every tensor in that type, written by
+# llama.cpp's llama-quantize; tests/data/make_quantized.py), and Q5_1 / F16 / BF16 linears written
+# by the gguf package: the same model shape (hidden 256, so K-quant blocks fit) on the kernels.
+QUANT_DATA = Path(__file__).parent / "data"
+LLAMACPP_QUANTS = ["Q2_K", "Q3_K", "Q5_K", "IQ4_XS", "IQ4_NL"]
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+GGUF_PACKAGE_QUANTS = {
+    "Q5_1": {f"{n}.weight": "Q5_1" for n in (*_LINEARS, "token_embd", "output")},
+    "F16+BF16": {f"{n}.weight": "F16" if i % 2 else "BF16" for i, n in enumerate((*_LINEARS, "output"))},
+}
+QUANT_N = 32
+
+
+@pytest.fixture(scope="module", params=LLAMACPP_QUANTS + list(GGUF_PACKAGE_QUANTS))
+def quant_case(request: pytest.FixtureRequest, tiny_root: Path) -> Case:
+    from quickdraft.quant.ggml import GGMLLinear, kernels_active
+
+    if not kernels_active():
+        pytest.skip("the native kernels are not built on this machine")
+    if request.param in LLAMACPP_QUANTS:
+        path = QUANT_DATA / f"tiny-qwen2-256-{request.param}.gguf"
+    else:
+        folder = tiny_root / "tiny-qwen2-256"
+        if not folder.exists():
+            make_tiny_hf_model(tiny_root, "qwen2", seed=3, name=folder.name, hidden_size=256,
+                               intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+        path = hf_to_gguf(folder, tiny_root / f"tiny-qwen2-256-{request.param}.gguf", GGUF_PACKAGE_QUANTS[request.param])
+    loaded = load_model(str(path), max_context=256)
+    linears = [m for m in loaded.model.modules() if isinstance(m, GGMLLinear)]
+    assert len(linears) >= 14 and all(m.qtype.name in request.param for m in linears)
+    return make_case(loaded, TINY_PROMPT, QUANT_N)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "partly", "coin"])
+def test_quant_types_scripted_drafters_match_plain_greedy(quant_case: Case, kind: str) -> None:
+    check_scripted(quant_case, kind, 4)
+
+
+def test_quant_types_ngram_and_rows(quant_case: Case) -> None:
+    run = quant_case.spec(NGramDrafter(min_ngram=1), 5)
+    assert run.ids == quant_case.truth and run.stats.drafted > 0
+    check_rows_bitwise(quant_case.loaded.model, quant_case.prompt, quant_case.truth[:12], [2, 5, 9], [0, 3])
+
+
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "random", "coin"])
 def test_tiny_scripted_drafters_match_plain_greedy(tiny: Case, kind: str, k: int) -> None:
