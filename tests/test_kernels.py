@@ -550,17 +550,26 @@ def _multi_layers() -> tuple[list[GGMLLinear], list[np.ndarray]]:
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_lanes_reference_layout_and_roundtrip(qtype):
     """The torch repack puts value 32j + 4v + r of a block at vector v, byte 4j + r (Q4_K: nibble
-    v % 2 of byte 32 * (v // 2) + 4j + r after the 16 header bytes) and back again, losslessly."""
-    n, k = 3, 512
+    v % 2 of byte 32 * (v // 2) + 4j + r after the 16 header bytes), stores each panel of 8 rows
+    block by block (row 8p + j's block c at 8p * row_bytes + (8c + j) * ts; a last panel of nn rows
+    likewise with nn), and back again, losslessly."""
+    n, k = 11, 512  # one full panel and one of 3 rows
     raw = torch.from_numpy(random_raw(qtype, n, k, seed=31))
     lanes = repack_lanes_reference(qtype, raw, True)
     assert lanes.shape == raw.shape and not torch.equal(lanes, raw)
     assert torch.equal(repack_lanes_reference(qtype, lanes, False), raw)
     _, ts = GGML_QUANT_SIZES[qtype]
+    flat, row_bytes = lanes.reshape(-1), raw.shape[1]
+    for row, c in ((0, 0), (7, 1), (8, 0), (10, 1)):  # block c of a row: where the panels put it
+        p0, nn = row // 8 * 8, min(8, n - row // 8 * 8)
+        at = p0 * row_bytes + (c * nn + row - p0) * ts
+        blocks = repack_lanes_reference(qtype, raw[row : row + 1], True)  # a 1-row panel: rows as they are
+        assert torch.equal(flat[at : at + ts], blocks.reshape(-1, ts)[c])
+    by_row = blocks = repack_lanes_reference(qtype, raw[:1], True)
     head = slice(0, 16) if qtype == Q.Q4_K else slice(192, 210)
-    assert torch.equal(lanes.reshape(-1, ts)[:, head], raw.reshape(-1, ts)[:, head])  # scales stay
+    assert torch.equal(by_row.reshape(-1, ts)[:, head], raw[:1].reshape(-1, ts)[:, head])  # scales stay
     if qtype == Q.Q4_K:  # spot checks against the definition
-        blk, nat = lanes.reshape(-1, ts)[0], raw.reshape(-1, ts)[0]
+        blk, nat = by_row.reshape(-1, ts)[0], raw.reshape(-1, ts)[0]
         for e in (0, 5, 37, 100, 255):
             j, t = divmod(e, 32)
             v, b = t // 4, 4 * j + t % 4
@@ -626,9 +635,10 @@ def test_lanes_layout_switches_with_the_path(qtype):
 
 @requires_kernels
 @pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
-def test_select_rows_keeps_the_layout_and_the_rows_outputs(qtype):
-    """select_rows (a draft model's cut output head) copies rows in the current layout: lanes stay
-    lanes (no repack), and each kept row's output is bitwise the full layer's."""
+def test_select_rows_copies_the_rows_and_their_outputs(qtype):
+    """select_rows (a draft model's cut output head) copies the rows out of the panels of the lane
+    layout as GGML blocks (repacked at its first q8 pass), and each kept row's output is bitwise
+    the full layer's."""
     n, k = 20, 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 544
     raw_np = random_raw(qtype, n, k, seed=41)
     lin = GGMLLinear(qtype, torch.from_numpy(raw_np.copy()), k)
@@ -637,8 +647,9 @@ def test_select_rows_keeps_the_layout_and_the_rows_outputs(qtype):
     assert lin._lanes
     ids = torch.tensor([19, 0, 7, 8])
     sub = lin.select_rows(ids)
-    assert sub._lanes and sub.out_features == 4 and sub.raw.data_ptr() != lin.raw.data_ptr()
-    assert torch.equal(sub(x), full[:, ids])
+    assert not sub._lanes and sub.out_features == 4 and sub.raw.data_ptr() != lin.raw.data_ptr()
+    assert torch.equal(sub.raw, torch.from_numpy(raw_np)[ids])
+    assert torch.equal(sub(x), full[:, ids]) and sub._lanes
     assert torch.equal(sub.ggml_raw(), torch.from_numpy(raw_np)[ids])
     plain = GGMLLinear(qtype, torch.from_numpy(raw_np.copy()), k).select_rows(ids)  # GGML layout
     assert not plain._lanes and torch.equal(plain(x), full[:, ids])

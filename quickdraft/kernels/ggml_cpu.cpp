@@ -224,40 +224,73 @@ torch::Tensor linear_q8(int64_t qtype, const torch::Tensor& raw, const torch::Te
   return linear_multi(x, {WeightSpec{qtype, raw, K, bias}}, nthreads)[0];
 }
 
+// The lane layout's row and block sizes of GGML type qtype for rows of K values (checked).
+struct LaneSizes {
+  int64_t ggml_row, lanes_row, block;  // bytes: a GGML row, a lanes row, a lanes block (one chunk of a row)
+};
+LaneSizes lane_sizes(int64_t qtype, int64_t K) {
+  LaneSizes z{};
+  const bool known = q8::dispatch(qtype + q8::LANES_ID, [&](auto f) {
+    using F = decltype(f);
+    TORCH_CHECK(K > 0 && K % F::GBS == 0, "in_features ", K, " is not a multiple of the block size ", F::GBS);
+    z = {K / F::GBS * F::GTS, (K + F::BS - 1) / F::BS * F::TS, F::TS};
+  });
+  TORCH_CHECK(known, "GGML type ", qtype, " has no lane layout");
+  return z;
+}
+
+// rows [N, *] (row by row, each row's blocks in order) from GGML blocks to lanes blocks, or back.
+void convert_rows(int64_t qtype, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K, const LaneSizes& z,
+                  bool to_lanes, int nt) {
+  if (qtype == T_Q4_K || qtype == T_Q6_K) {  // in place, block by block
+    std::memcpy(dst, src, N * z.ggml_row);
+    q8::repack_lanes(qtype, dst, N * z.ggml_row / z.block, to_lanes, nt);
+  } else if (q8::is_klayout_type(qtype)) {  // 256-value blocks of the same size
+    q8::repack_klayout(qtype, src, dst, N * z.ggml_row / z.block, to_lanes, nt);
+  } else {  // 32-value blocks, 8 to a lanes block
+    q8::repack_lanes32(qtype, src, dst, N, K, to_lanes, nt);
+  }
+}
+
 // A copy of raw [N, row_bytes] in the lane layout of the q8 GEMM (to_lanes; from GGML blocks) or
-// back in the GGML layout (from lanes); lossless (the same values, moved). Q4_K / Q6_K keep their
-// block size; the 32-block formats group 8 blocks per super-block, a partial last one padded.
+// back in the GGML layout (from lanes); lossless (the same values, moved). 256-value formats keep
+// their block size; the 32-block formats group 8 blocks per super-block, a partial last one padded.
+// Lanes rows are stored in panels (q8::interleave_panels).
 torch::Tensor repack_lanes(int64_t qtype, const torch::Tensor& raw, int64_t K, bool to_lanes, int64_t nthreads) {
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(),
               "raw must be a contiguous CPU uint8 tensor [N, row_bytes]");
   const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
   const int64_t N = raw.size(0);
-  if (qtype == T_Q4_K || qtype == T_Q6_K || q8::is_klayout_type(qtype)) {  // 256-value blocks, same size
-    dispatch(qtype, [&](auto f) { check_raw<decltype(f)>(raw, K); });
-    auto out = qtype == T_Q4_K || qtype == T_Q6_K ? raw.clone() : torch::empty_like(raw);
-    pybind11::gil_scoped_release nogil;
-    if (qtype == T_Q4_K || qtype == T_Q6_K)
-      q8::repack_lanes(qtype, out.data_ptr<uint8_t>(), out.numel() / (qtype == T_Q4_K ? 144 : 210), to_lanes, nt);
-    else
-      q8::repack_klayout(qtype, raw.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), out.numel() / q8::klayout_bytes(qtype),
-                         to_lanes, nt);
-    return out;
-  }
-  TORCH_CHECK(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q5_1 || qtype == T_Q8_0 ||
-                  qtype == T_IQ4_NL,
-              "GGML type ", qtype, " has no lane layout");
-  int64_t lanes_row = 0, ggml_row = 0;
-  q8::dispatch(qtype + q8::LANES_ID, [&](auto f) {
-    using F = decltype(f);
-    TORCH_CHECK(K > 0 && K % F::GBS == 0, "in_features ", K, " is not a multiple of the block size ", F::GBS);
-    ggml_row = K / F::GBS * F::GTS;
-    lanes_row = (K + F::BS - 1) / F::BS * F::TS;
-  });
-  TORCH_CHECK(raw.size(1) == (to_lanes ? ggml_row : lanes_row), "raw has ", raw.size(1), " bytes per row, expected ",
-              to_lanes ? ggml_row : lanes_row);
-  auto out = torch::empty({N, to_lanes ? lanes_row : ggml_row}, raw.options());
+  const LaneSizes z = lane_sizes(qtype, K);
+  TORCH_CHECK(raw.size(1) == (to_lanes ? z.ggml_row : z.lanes_row), "raw has ", raw.size(1),
+              " bytes per row, expected ", to_lanes ? z.ggml_row : z.lanes_row);
+  auto rows = torch::empty({N, z.lanes_row}, raw.options());  // lanes, row by row
+  auto out = torch::empty({N, to_lanes ? z.lanes_row : z.ggml_row}, raw.options());
   pybind11::gil_scoped_release nogil;
-  q8::repack_lanes32(qtype, raw.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), N, K, to_lanes, nt);
+  if (to_lanes) {
+    convert_rows(qtype, raw.data_ptr<uint8_t>(), rows.data_ptr<uint8_t>(), N, K, z, true, nt);
+    q8::interleave_panels(rows.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), N, z.lanes_row, z.block, true, nt);
+  } else {
+    q8::interleave_panels(raw.data_ptr<uint8_t>(), rows.data_ptr<uint8_t>(), N, z.lanes_row, z.block, false, nt);
+    convert_rows(qtype, rows.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), N, K, z, false, nt);
+  }
+  return out;
+}
+
+// Rows ids of a weight in the lane layout, as GGML blocks [len(ids), GGML row bytes] (embedding lookups).
+torch::Tensor lanes_rows(int64_t qtype, const torch::Tensor& raw, int64_t K, const torch::Tensor& ids) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(),
+              "raw must be a contiguous CPU uint8 tensor [N, row_bytes]");
+  const LaneSizes z = lane_sizes(qtype, K);
+  TORCH_CHECK(raw.size(1) == z.lanes_row, "raw has ", raw.size(1), " bytes per row, expected ", z.lanes_row);
+  const auto idx = ids.to(torch::kInt64).contiguous();
+  const int64_t n = idx.numel(), N = raw.size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row ", ip[i], " is out of range for ", N, " rows");
+  auto rows = torch::empty({n, z.lanes_row}, raw.options());
+  auto out = torch::empty({n, z.ggml_row}, raw.options());
+  q8::panel_rows(raw.data_ptr<uint8_t>(), N, z.lanes_row, z.block, ip, n, rows.data_ptr<uint8_t>());
+  convert_rows(qtype, rows.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), n, K, z, false, 1);
   return out;
 }
 
@@ -333,6 +366,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a copy of GGML blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
         pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("to_lanes"),
         pybind11::arg("num_threads") = 0);
+  m.def("lanes_rows", &lanes_rows, "rows ids of a weight in the lane layout, as GGML blocks", pybind11::arg("qtype"),
+        pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("ids"));
   m.def("lanes_id", []() { return q8::LANES_ID; }, "kernel type id of a lane layout = GGML type id + this");
   m.def("quantize_activations", &quantize_activations,
         "(q int8 [T, K], d float32 [T, K/bs], sums): x quantized per block of bs = 256 or 32",

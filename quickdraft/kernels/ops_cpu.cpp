@@ -19,6 +19,7 @@
 
 #include "ops_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -595,7 +596,46 @@ torch::Tensor qd_api::attend(const torch::Tensor& q, const torch::Tensor& k, con
   return ::attend(q, k, v, start, window, scale, slots, offsets, k_new, v_new);
 }
 
+// Streaming-read bandwidth of this machine: nthreads threads each read their share of a buffer of
+// `bytes` (far larger than any cache) with 256-bit loads, `repeats` times; the best GB/s (1e9 bytes/s).
+// The roofline of a decode step: every weight byte is read once per step.
+double read_bandwidth(int64_t bytes, int64_t nthreads, int64_t repeats) {
+  TORCH_CHECK(bytes >= (1 << 20) && nthreads >= 1 && repeats >= 1, "read_bandwidth: bytes >= 1 MiB, threads and repeats >= 1");
+  const int64_t n = bytes / 128 * 4;  // 32-byte vectors, a multiple of 4
+  std::vector<__m256i> buf(static_cast<size_t>(n));
+  const int nt = static_cast<int>(nthreads);
+  pybind11::gil_scoped_release nogil;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < n; ++i) buf[i] = _mm256_set1_epi64x(i);  // each thread touches its own pages first
+  double best = 0.0;
+  int64_t sink = 0;
+  for (int64_t r = 0; r < repeats; ++r) {
+    int64_t s = 0;
+    const double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(nt) reduction(+ : s)
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t a = n * t / T / 4 * 4, b = n * (t + 1) / T / 4 * 4;
+      __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;
+      for (int64_t i = a; i < b; i += 4) {
+        x0 = _mm256_add_epi64(x0, _mm256_load_si256(&buf[i]));
+        x1 = _mm256_add_epi64(x1, _mm256_load_si256(&buf[i + 1]));
+        x2 = _mm256_add_epi64(x2, _mm256_load_si256(&buf[i + 2]));
+        x3 = _mm256_add_epi64(x3, _mm256_load_si256(&buf[i + 3]));
+      }
+      x0 = _mm256_add_epi64(_mm256_add_epi64(x0, x1), _mm256_add_epi64(x2, x3));
+      s += _mm256_extract_epi64(x0, 0);
+    }
+    const double dt = omp_get_wtime() - t0;
+    sink += s;
+    best = std::max(best, static_cast<double>(n) * 32.0 / dt / 1e9);
+  }
+  return sink == -1 ? 0.0 : best;  // (sink keeps the reads)
+}
+
 void register_ops(pybind11::module& m) {
+  m.def("read_bandwidth", &read_bandwidth, "streaming-read GB/s of nthreads threads over a buffer of bytes (best of repeats)",
+        pybind11::arg("bytes"), pybind11::arg("num_threads"), pybind11::arg("repeats") = 3);
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row (fp32)", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("rope", &rope, "rotate-half RoPE of x [heads, T, D] at positions, from cos/sin tables [S, D]",

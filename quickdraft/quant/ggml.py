@@ -285,15 +285,25 @@ def _lane_parts(qtype: GGMLQuantizationType) -> list[tuple[list[int], list[int],
 def repack_lanes_reference(
     qtype: GGMLQuantizationType | int, raw: torch.Tensor, to_lanes: bool
 ) -> torch.Tensor:
-    """A copy of Q4_K / Q6_K blocks in the lane layout (``to_lanes``) or back in GGML's (torch ops)."""
+    """A copy of Q4_K / Q6_K rows [N, row_bytes] in the lane layout (``to_lanes``: values moved within
+    each block, rows interleaved per panel) or back in GGML's (torch ops)."""
     qt = _qtype(qtype)
     if qt not in (Q.Q4_K, Q.Q6_K):
         raise ValueError(f"the torch lane layout covers Q4_K and Q6_K, not {qt.name}")
     ts = GGML_QUANT_SIZES[qt][1]
     blocks = raw.reshape(-1, ts)
+    if not to_lanes:
+        blocks = interleave_panels_reference(raw, ts, False).reshape(-1, ts)
+        return _repack_blocks(qt, blocks, False).reshape(raw.shape)
+    return interleave_panels_reference(_repack_blocks(qt, blocks, True).reshape(raw.shape), ts, True)
+
+
+def _repack_blocks(qt: GGMLQuantizationType, blocks: torch.Tensor, to_lanes: bool) -> torch.Tensor:
+    """Q4_K / Q6_K blocks [nb, ts] with their values moved to the lane positions (or back)."""
+    ts = blocks.shape[1]
     q0, q1 = (16, 144) if qt == Q.Q4_K else (0, 192)  # the bytes the values live in
-    packed = torch.zeros(blocks.shape[0], ts, dtype=torch.int32, device=raw.device)
-    dev = raw.device
+    packed = torch.zeros(blocks.shape[0], ts, dtype=torch.int32, device=blocks.device)
+    dev = blocks.device
     for nat_b, nat_s, lane_b, lane_s, mask in _lane_parts(qt):
         src_b, src_s, dst_b, dst_s = (nat_b, nat_s, lane_b, lane_s) if to_lanes else (lane_b, lane_s, nat_b, nat_s)
         vals = (blocks[:, torch.tensor(src_b, device=dev)].to(torch.int32)
@@ -302,7 +312,27 @@ def repack_lanes_reference(
         packed.scatter_add_(1, torch.tensor(dst_b, device=dev).expand_as(vals), vals)  # disjoint bits
     out = blocks.clone()
     out[:, q0:q1] = packed[:, q0:q1].to(torch.uint8)
-    return out.reshape(raw.shape)
+    return out
+
+
+PANEL_ROWS = 8  # the q8 kernels' panel (NP): lanes rows are stored interleaved per panel
+
+
+def interleave_panels_reference(raw: torch.Tensor, block_bytes: int, to_panels: bool) -> torch.Tensor:
+    """rows [N, row_bytes] of lanes blocks -> panels of PANEL_ROWS rows stored chunk by chunk (block c
+    of row 8p + j at byte 8p * row_bytes + (c * nn + j) * block_bytes, nn = the panel's rows), or
+    back. The kernels' layout (``interleave_panels`` in kernels/ggml_q8.h), in torch ops."""
+    n, row_bytes = raw.shape
+    nb = row_bytes // block_bytes
+    out = torch.empty_like(raw)
+    for p0 in range(0, n, PANEL_ROWS):
+        nn = min(PANEL_ROWS, n - p0)
+        part = raw[p0 : p0 + nn]
+        if to_panels:
+            out[p0 : p0 + nn] = part.reshape(nn, nb, block_bytes).transpose(0, 1).reshape(nn, row_bytes)
+        else:
+            out[p0 : p0 + nn] = part.reshape(nb, nn, block_bytes).transpose(0, 1).reshape(nn, row_bytes)
+    return out
 
 
 def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
@@ -638,17 +668,20 @@ class GGMLLinear(nn.Module):
 
     def select_rows(self, ids: torch.Tensor) -> GGMLLinear:
         """A new layer computing only output rows ``ids`` (in that order), sharing nothing with this
-        one. Rows are independent in both layouts, so the copy keeps the current one (no repack)."""
+        one; its blocks in the GGML layout (repacked for the kernels at its first q8 pass)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.raw.device)
         bias = None if self.bias is None else self.bias.index_select(0, ids)
-        sub = GGMLLinear(self.qtype, self.raw.new_empty((0, ggml_row_bytes(self.qtype, self.in_features))),
-                         self.in_features,
-                         activations=self._activations)
-        sub.raw = self.raw.index_select(0, ids)
-        sub.bias = bias
-        sub.out_features = int(ids.numel())
-        sub._lanes = self._lanes
-        return sub
+        return GGMLLinear(self.qtype, self._ggml_rows(ids), self.in_features, bias=bias,
+                          activations=self._activations)
+
+    def _ggml_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (long [n]) of the weight in the GGML layout [n, row_bytes]."""
+        if not self._lanes:
+            return self.raw.index_select(0, ids)
+        mod = _kernels.load()  # lanes are made by the kernels only
+        if mod is None:
+            raise QuickdraftError(f"{self.qtype.name} lanes need the native kernels to read")  # (never made without)
+        return mod.lanes_rows(self._qt, self.raw.cpu(), self.in_features, ids.cpu()).to(self.raw.device)
 
     def ggml_raw(self) -> torch.Tensor:
         """The weight's blocks in the GGML layout (raw itself, or a copy when raw holds lanes)."""
@@ -664,11 +697,7 @@ class GGMLLinear(nn.Module):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized: [*ids.shape, in_features] float32."""
-        rows = self.raw.index_select(
-            0, ids.reshape(-1).to(device=self.raw.device, dtype=torch.long)
-        )
-        if self._lanes:
-            rows = self._repack(rows, False)
+        rows = self._ggml_rows(ids.reshape(-1).to(device=self.raw.device, dtype=torch.long))
         mod = _active_kernels()
         if mod is not None and rows.device.type == "cpu":
             out = mod.dequantize(int(self.qtype), rows, self.in_features)
