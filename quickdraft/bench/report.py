@@ -224,6 +224,7 @@ def markdown(report: dict[str, Any], png_name: str = "bench.png") -> str:
         "",
         *_md_table(SUMMARY_HEADER, summary_rows(report)),
         "",
+        *([f"- {report['roofline']['line']}", ""] if report.get("roofline") else []),
         *_md_by_turn(report),
         "## Acceptance by draft position",
         "",

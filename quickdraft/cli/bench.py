@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 import time
 from datetime import datetime
@@ -194,17 +195,33 @@ def run(args: argparse.Namespace) -> int:
     info(
         f"dataset {dataset.name}: {len(dataset.items)} prompts, {dataset.requests_per_method} requests per method"
     )
-    contenders, model_path = _contenders(args, methods, endpoints, opts)
+    contenders, model_path, model = _contenders(args, methods, endpoints, opts)
     info(f"measuring {', '.join(c.name for c in contenders)}; speedup over {baseline}")
     records = runner.run_bench(contenders, dataset, settings, progress=not args.no_progress)
     fill_speedups(records, baseline)
     meta = _meta(args, model_path, dataset, methods, opts)
     result = report.build_report(meta, [c.describe() for c in contenders], records, baseline)
+    if model is not None and (roof := _plain_roofline(model, records)) is not None:
+        result["roofline"] = {**roof.as_dict(), "line": roof.line()}
     out = args.out or Path("benchmarks") / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
     paths = report.write_outputs(result, out)
     report.print_table(result)
+    if "roofline" in result:
+        print(result["roofline"]["line"], flush=True)
     info(f"wrote {paths['json']}, {paths['md']}, {paths['png']}")
     return 0
+
+
+def _plain_roofline(model: Any, records: list[Any]) -> Any:
+    """Plain decoding (method none, median tok/s and context) against the read bandwidth, or None."""
+    from quickdraft.roofline import roofline
+
+    plain = [r for r in records if r.method == "none" and r.tokens_per_second]
+    if not plain:
+        return None
+    tps = statistics.median(r.tokens_per_second for r in plain)
+    context = int(statistics.median(r.prompt_tokens + r.output_tokens // 2 for r in plain))
+    return roofline(model, tps, context)
 
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, str]]]:
@@ -251,12 +268,14 @@ def _first_name(methods: list[str], endpoints: list[tuple[str, str]]) -> str:
 
 def _contenders(
     args: argparse.Namespace, methods: list[str], endpoints: list[tuple[str, str]], opts: Any
-) -> tuple[list[Any], Path]:
-    """Load the target once (or only its tokenizer when no in-process method runs) and build all."""
+) -> tuple[list[Any], Path, Any]:
+    """Load the target once (or only its tokenizer when no in-process method runs) and build all;
+    also returns the in-process target model (None without one)."""
     from quickdraft.bench import runner
     from quickdraft.loading.load import resolve
 
     contenders: list[Any] = []
+    model = None
     if methods:
         from quickdraft.api import LLM
 
@@ -275,7 +294,7 @@ def _contenders(
             f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}), {llm.threads} threads"
         )
         contenders += runner.build_in_process(methods, args.model, llm.target, opts, info)
-        tokenizer, path = llm.tokenizer, llm.target.path
+        tokenizer, path, model = llm.tokenizer, llm.target.path, llm.target.model
     else:
         tokenizer, path = runner.load_tokenizer(args.model), resolve(args.model)
     contenders += [
@@ -285,7 +304,7 @@ def _contenders(
     names = [c.name for c in contenders]
     if len(set(names)) != len(names):
         raise QuickdraftError(f"two contenders share a name: {', '.join(names)}")
-    return contenders, path
+    return contenders, path, model
 
 
 def _meta(

@@ -1,7 +1,8 @@
 """``quickdraft selftest``: prove losslessness on the user's own model, drafter and machine.
 
 1. Greedy: speculative output equals plain output token for token, for the configured drafter
-   and for each underlying drafter at a fixed k.
+   and for each underlying drafter at a fixed k. The plain run's speed is set against this
+   machine's measured read bandwidth (the decode roofline: bytes read per token x tokens/s).
 2. Sampling: at a real position of the user's prompt, the first token emitted by the rejection
    sampler (target p and the drafter's q, temperature > 0) follows p: its total variation from p
    over many trials must be as small as that of direct samples from p.
@@ -16,6 +17,7 @@ import sys
 import torch
 
 from quickdraft.cli.common import add_model_args, info, load_llm
+from quickdraft.roofline import roofline
 from quickdraft.sampling import (
     SamplingParams,
     make_generator,
@@ -67,7 +69,12 @@ def _drafters(llm):  # type: ignore[no-untyped-def]
 def _greedy_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no-untyped-def]
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    plain = [t for s in llm.engine.generate(ids, params) for t in s.token_ids]
+    plain_steps = list(llm.engine.generate(ids, params))
+    plain = [t for s in plain_steps for t in s.token_ids]
+    plain_stats = plain_steps[-1].stats
+    if plain_stats.tokens_per_second > 0:  # where plain decoding stands against the memory bandwidth
+        context = len(ids) + len(plain) // 2
+        print(roofline(llm.target.model, plain_stats.tokens_per_second, context).line(), flush=True)
     ok = True
     for label, drafter, k in _drafters(llm):
         steps = list(llm.engine.generate(ids, params, drafter, k))

@@ -1,0 +1,63 @@
+"""The decode roofline: bytes one decode pass reads, the bandwidth probe and its cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import hf_to_gguf, make_tiny_hf_model
+
+from quickdraft.loading.load import load_model
+from quickdraft.quant.ggml import GGMLLinear, kernels_active
+from quickdraft.roofline import kv_read_bytes, read_bandwidth, roofline, weight_read_bytes
+
+
+def test_weight_and_kv_bytes_of_a_dense_model(tmp_path: Path) -> None:
+    """fp32 tiny model: every parameter once, the (untied) embedding table not at all; K and V of
+    every layer per context token in the cache's dtype."""
+    loaded = load_model(str(make_tiny_hf_model(tmp_path, "qwen2")), dtype="float32", max_context=64)
+    model, cfg = loaded.model, loaded.config
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert weight_read_bytes(model) == params - cfg.vocab_size * cfg.hidden_size * 4
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert kv_read_bytes(model, 100) == 100 * per_token
+
+
+@pytest.mark.skipif(not kernels_active(), reason="the native kernels are not built here")
+def test_quantized_tied_model_reads_its_blocks_once(tmp_path: Path) -> None:
+    """GGUF blocks count as stored (lanes: the same bytes); a tied table is read whole, once, as
+    the output head."""
+    folder = make_tiny_hf_model(tmp_path, "qwen2", tie_word_embeddings=True)
+    path = hf_to_gguf(folder, tmp_path / "t.gguf", {"weight": "Q8_0"})
+    model = load_model(str(path), max_context=64).model
+    blocks = {id(m): m for m in model.modules() if isinstance(m, GGMLLinear)}
+    raw = sum(m.raw.numel() + (0 if m.bias is None else m.bias.numel() * 4) for m in blocks.values())
+    norms = sum(p.numel() * 4 for p in model.parameters())
+    assert model.lm_head in blocks.values()
+    assert weight_read_bytes(model) == raw + norms
+    kv = kv_read_bytes(model, 10)
+    assert kv == 10 * 2 * 2 * 2 * 16 * 2  # 2 layers, K and V, 2 kv heads of 16, fp16
+    r = roofline(model, tokens_per_second=10.0, context=10)
+    assert r.achieved_gbs == pytest.approx((raw + norms + kv) * 10 / 1e9)
+    assert r.bandwidth_gbs is not None and r.fraction == pytest.approx(r.achieved_gbs / r.bandwidth_gbs)
+    assert "% of this machine's measured" in r.line() and "10.0 tok/s" in r.line()
+
+
+@pytest.mark.skipif(not kernels_active(), reason="the native kernels are not built here")
+def test_bandwidth_probe_is_kept_and_remeasured_when_stale(tmp_path: Path) -> None:
+    path = tmp_path / "bw.json"
+    first = read_bandwidth(1, path)
+    assert first is not None and 0.1 < first < 10_000
+    entries = json.loads(path.read_text())
+    (key,) = entries
+    entries[key]["gbs"] = 123.0  # kept: read back as it is
+    path.write_text(json.dumps(entries))
+    assert read_bandwidth(1, path) == 123.0
+    entries[key]["measured"] = 0  # stale: measured again
+    path.write_text(json.dumps(entries))
+    assert read_bandwidth(1, path) != 123.0
+    path.write_text("not json")  # damaged: measured again, file repaired
+    assert read_bandwidth(1, path) is not None and key in json.loads(path.read_text())
+    assert torch.get_num_threads() >= 1
