@@ -24,6 +24,7 @@ from quickdraft.config import (
 )
 from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
+from quickdraft.kernels.tuning import tune as tune_kernels
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
@@ -114,6 +115,10 @@ class LLM:
             log(describe_memory(self.engine, self.prefix_cache))
         if tensor_parallel == 1:
             self.engine.warm_up()
+            if where.type == "cpu":  # this machine's fastest exact kernels, before pass costs are measured
+                choice = tune_kernels(self.target.model, self.target.path, log or (lambda _msg: None))
+                if choice is not None and log is not None:
+                    log(choice.line())
         self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log or (lambda _msg: None),
                                                      kv_dtype=kv_dtype)
 

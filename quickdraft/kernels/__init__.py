@@ -145,7 +145,7 @@ def load() -> ModuleType | None:
             return _module
         reason = _cpu_unsupported()
         if reason is None:
-            requested = _env_isa()  # a bad value stops here, saying what to set
+            requested = env_isa()  # a bad value stops here, saying what to set
             try:
                 _module = _build()
             except Exception as exc:  # compiler, ninja, headers, linker: any failure means fallback
@@ -169,7 +169,7 @@ def load() -> ModuleType | None:
         return _module
 
 
-def _env_isa() -> str | None:
+def env_isa() -> str | None:
     """The q8 GEMM build QUICKDRAFT_ISA asks for (None: unset = the best this CPU runs)."""
     value = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
     if value in ("", "auto"):
@@ -190,6 +190,21 @@ def set_isa(name: str) -> str:
     if module is None:
         raise RuntimeError(f"quickdraft CPU kernels unavailable: {_error}")
     return str(module.set_isa(name))
+
+
+def cpu_runs(name: str) -> bool:
+    """True if this CPU runs the q8 GEMM build ``name`` ('avx2', 'avx512vnni')."""
+    module = load()
+    if module is None:
+        return False
+    prev = str(module.isa())
+    try:
+        module.set_isa(name)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        module.set_isa(prev)
 
 
 def isa() -> str | None:

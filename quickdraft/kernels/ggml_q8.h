@@ -17,8 +17,18 @@ struct Job {
   int64_t N, K, row_bytes, pf_step, npanels;
   int mode;  // XMode of the activations it reads
 };
+// How a call moves its weights, never what it computes (every setting gives the same bits): chosen
+// per machine by measurement (quickdraft/kernels/tuning.py), per class of row counts.
+struct Tuning {
+  int prefetch;  // the next panels: 0 not prefetched, 1 into L1, 2 into L2, 3 L1 for 1-2 rows of small panels, else L2
+  int ahead;     // how many panels ahead (1..4)
+  int runs;      // work items per thread (1..16): runs of consecutive panels, handed out dynamically
+};
+constexpr int TUNING_CLASSES = 3;  // 1 row (decode), 2-16 rows (verification), more (prefill)
+inline int tuning_class(int64_t T) { return T == 1 ? 0 : T <= 16 ? 1 : 2; }
 // The q8 GEMM of the AVX-512 VNNI build (ggml_q8_avx512.cpp).
-void gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads);
+void gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads,
+                           const Tuning& tune);
 }  // namespace qd_abi
 #endif
 
@@ -848,7 +858,7 @@ constexpr int TT_MAX = 8;  // input rows per register tile
 constexpr int TB = 64;     // input rows per accumulator block
 constexpr int64_t PF_L1_MAX = 1152;  // bytes per panel step up to which decode prefetches into L1
 constexpr int64_t PF_L1_PANEL = 16384;  // ... and bytes per panel (a longer one is evicted before use)
-constexpr int64_t PF_AHEAD = 1;  // a panel prefetches the panel this many ahead (same work item)
+using Tuning = qd_abi::Tuning;
 
 // Weight rows per tile of TT input rows: TT * NN int32 accumulators stay in registers.
 // AVX2 (16 vector registers): measured best. AVX-512 VNNI (32 registers): 8 rows x 2 weight rows
@@ -1024,26 +1034,27 @@ void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* a
 using Job = qd_abi::Job;
 
 // Panel p (output rows 8p .. 8p+7) of job g for all T rows; xq: the activations quantized for the
-// job's mode, chunk-major ([K/256][T] chunks). Prefetches panel p + 1 if pf. The panel's blocks are
-// interleaved (PANELS below): one sequential stream of weight bytes.
+// job's mode, chunk-major ([K/256][T] chunks). Prefetches panel p + tune.ahead if pf. The panel's
+// blocks are interleaved (PANELS above): one sequential stream of weight bytes.
 template <class F>
-void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, float* acc) {
+void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, const Tuning& tune, float* acc) {
   const int64_t n0 = p * NP;
   const int nn = static_cast<int>(std::min<int64_t>(NP, g.N - n0));
   const uint8_t* base = g.W + n0 * g.row_bytes;
   for (int64_t t0 = 0; t0 < T; t0 += TB) {
     const int tb = static_cast<int>(std::min<int64_t>(TB, T - t0));
     for (int64_t c0 = 0; c0 < g.K; c0 += CHUNK) {
-      if (t0 == 0 && pf) {
-        const uint8_t* q = g.W + (n0 + PF_AHEAD * NP) * g.row_bytes + c0 / CHUNK * g.pf_step;
+      if (t0 == 0 && pf && tune.prefetch != 0) {
+        const uint8_t* q = g.W + (n0 + tune.ahead * NP) * g.row_bytes + c0 / CHUNK * g.pf_step;
         const uint8_t* qe =
-            std::min(q + g.pf_step, g.W + std::min<int64_t>(g.N, n0 + (PF_AHEAD + 1) * NP) * g.row_bytes);
-        // into L1 for 1-2 rows of a format with small steps (Q4_K, Q4_0: 1152 bytes), else into L2
-        // (measured: Q4_K 4 rows 15% faster, 1 row 8% slower with L2; Q8_0 / Q6_K 1 row ~2x / 10%
-        // slower with L1: their larger steps evict the panel being read). A panel longer than
-        // PF_L1_PANEL (the 1.5B's Q4_K ffn_down, K = 8960: 40 KB) goes to L2 too: prefetched a
-        // whole panel ahead it would leave L1 before use (measured: those layers 21-26% faster).
-        if (T <= 2 && g.pf_step <= PF_L1_MAX && NP * g.row_bytes <= PF_L1_PANEL)
+            std::min(q + g.pf_step, g.W + std::min<int64_t>(g.N, n0 + (tune.ahead + 1) * NP) * g.row_bytes);
+        // prefetch 3 (the default): into L1 for 1-2 rows of a format with small steps (Q4_K, Q4_0:
+        // 1152 bytes), else into L2 (measured on Zen 4: Q4_K 4 rows 15% faster, 1 row 8% slower with
+        // L2; Q8_0 / Q6_K 1 row ~2x / 10% slower with L1: their larger steps evict the panel being
+        // read). A panel longer than PF_L1_PANEL (the 1.5B's Q4_K ffn_down, K = 8960: 40 KB) goes to
+        // L2 too: prefetched a whole panel ahead it would leave L1 before use (21-26% faster there).
+        if (tune.prefetch == 1 ||
+            (tune.prefetch == 3 && T <= 2 && g.pf_step <= PF_L1_MAX && NP * g.row_bytes <= PF_L1_PANEL))
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
         else
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
@@ -1103,7 +1114,7 @@ constexpr int64_t XQ_KEEP = int64_t{8} << 20;  // bytes
 
 // x: [T, K] fp32 shared by all jobs (each with in_features K). Quantizes x once per mode the jobs
 // need, then computes every job's panels, all in one parallel region.
-inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads) {
+inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads, const Tuning& tune) {
   const int64_t nchunks = (K + CHUNK - 1) / CHUNK;
   bool need[NMODES] = {};
   int64_t panels = 0;
@@ -1123,11 +1134,11 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   XChunk* base = reinterpret_cast<XChunk*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) / 64 * 64);
   XChunk* xq[NMODES] = {};
   for (int k = 0; k < nmodes; ++k) xq[modes[k]] = base + k * per_mode;
-  // Work items: runs of consecutive panels of one job, ~2 per thread over the whole call. A run's
-  // first panel starts cold (its prefetch chain begins there): with 8 runs per thread the 1.5B's
-  // linears took 13% longer at 1 row (the 0.5B's 10%), and 1 run per thread was no faster than 2.
+  // Work items: runs of consecutive panels of one job, tune.runs per thread over the whole call. A
+  // run's first panel starts cold (its prefetch chain begins there): on Zen 4, with 8 runs per
+  // thread the 1.5B's linears took 13% longer at 1 row, and 1 run per thread was no faster than 2.
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-  const int64_t per_thread = T >= 4 ? 4 : 2;
+  const int64_t per_thread = std::max(1, tune.runs);
   const int64_t run = std::max<int64_t>(1, (panels + per_thread * nt - 1) / (per_thread * nt));
   struct Item {
     int job;
@@ -1161,7 +1172,7 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
       const Job& g = jobs[w.job];
       dispatch(g.qtype, [&](auto f) {
         using F = decltype(f);
-        for (int64_t p = w.p0; p < w.p1; ++p) panel<F>(g, xq[g.mode], T, p, p + PF_AHEAD < w.p1, acc);
+        for (int64_t p = w.p0; p < w.p1; ++p) panel<F>(g, xq[g.mode], T, p, p + tune.ahead < w.p1, tune, acc);
       });
     }
   }

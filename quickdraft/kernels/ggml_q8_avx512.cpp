@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -23,6 +24,7 @@
 #define QD_VNNI 1
 #include "ggml_q8.h"
 
-void qd_abi::gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads) {
-  qd_avx512vnni::q8::gemm_multi(x, T, K, jobs, njobs, nthreads);
+void qd_abi::gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads,
+                                   const Tuning& tune) {
+  qd_avx512vnni::q8::gemm_multi(x, T, K, jobs, njobs, nthreads, tune);
 }

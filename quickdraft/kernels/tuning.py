@@ -1,0 +1,237 @@
+"""Kernels chosen by measurement, per machine and model.
+
+The q8 GEMM has settings that change how it moves weights, never what it computes (every one gives
+the same bits, so batch invariance and lossless speculation hold whichever runs; tests check it):
+
+* the instruction set: the AVX2 build or the AVX-512 VNNI one (where the CPU runs it);
+* per class of row counts (1 row: decode; 2-16 rows: verification; more: prefill):
+  ``prefetch`` (0: the next panels are not prefetched, 1: into L1, 2: into L2, 3: L1 for 1-2 rows of
+  small panels, else L2), ``ahead`` (how many panels ahead) and ``runs`` (work items per thread).
+
+Which is fastest depends on the CPU (cache sizes, prefetchers, memory latency) and the model's
+shapes, so at the first start of a model on a machine (and after a kernel build change) :func:`tune`
+times the candidates on the model's own weights (the linears of its first layer and the output head,
+q8 activations of the real width), alternating candidates round by round on a shared machine, and
+keeps a setting only where it beats the default by more than its noise (min and median both at
+least 3% faster). The choice is kept in ``<cache>/kernel_choices.json`` per (CPU, model file, kernel
+build, threads) for 30 days and installed at every later start. ``QUICKDRAFT_ISA`` still forces
+the instruction set; ``QUICKDRAFT_TUNE=0`` keeps the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MAX_AGE_DAYS = 30
+FILE_NAME = "kernel_choices.json"
+Setting = tuple[int, int, int]  # (prefetch, ahead, runs)
+CLASSES = (("1 row", 1), ("2-16 rows", 8), ("17+ rows", 64))  # (name, rows timed) per class 0, 1, 2
+DEFAULTS: tuple[Setting, ...] = ((3, 1, 2), (3, 1, 4), (3, 1, 4))  # the kernels' own (ggml_cpu.cpp)
+CANDIDATES: tuple[tuple[Setting, ...], ...] = (
+    ((2, 1, 2), (1, 1, 2), (0, 1, 2), (3, 2, 2), (2, 2, 2), (3, 1, 4), (3, 1, 1)),
+    ((2, 2, 4), (0, 1, 4), (3, 1, 2), (3, 1, 8)),
+    ((0, 1, 4), (3, 1, 8)),
+)
+ROUNDS = 7  # per class; each candidate timed once per round, in rotated order
+MARGIN = 0.97  # a candidate must be at least 3% faster (min and median) to replace the default
+_PREFETCH = {0: "no prefetch", 1: "prefetch into L1", 2: "prefetch into L2", 3: "prefetch L1/L2"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernels this process runs: the q8 GEMM's instruction set and a setting per class."""
+
+    isa: str
+    settings: tuple[Setting, ...]
+    measured: float  # unix time of the measurement
+    fresh: bool = False  # measured by this start (else kept from an earlier one)
+
+    def line(self) -> str:
+        parts = []
+        for (name, _), setting, default in zip(CLASSES, self.settings, DEFAULTS, strict=True):
+            if setting == default:
+                parts.append(f"{name}: default")
+            else:
+                prefetch, ahead, runs = setting
+                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} runs/thread")
+        when = "measured now" if self.fresh else f"kept from {time.strftime('%Y-%m-%d', time.localtime(self.measured))}"
+        return f"kernels: {self.isa} q8 GEMM; {'; '.join(parts)} ({when}; QUICKDRAFT_TUNE=0 keeps the defaults)"
+
+
+def apply(mod: Any, choice: Choice) -> None:
+    mod.set_isa(choice.isa)
+    for cls, setting in enumerate(choice.settings):
+        mod.set_tuning(cls, *setting)
+
+
+def _groups(model: nn.Module) -> list[list[nn.Module]]:
+    """The q8 linears of the first layer, grouped as the native stack calls them, and the head."""
+    from quickdraft.quant.ggml import GGMLLinear
+
+    def q8(m: object) -> bool:
+        return isinstance(m, GGMLLinear) and m.activation_mode == "q8"
+
+    layer = model.model.layers[0]  # type: ignore[union-attr, index]
+    groups: list[list[nn.Module]] = []
+    seen: set[int] = set()
+    for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
+        mods = [m for sub in ("self_attn", "mlp") for n in names if q8(m := getattr(getattr(layer, sub, None), n, None))]
+        if mods and len({m.in_features for m in mods}) == 1:  # type: ignore[union-attr]
+            groups.append(mods)
+            seen |= {id(m) for m in mods}
+    groups += [[m] for m in layer.modules() if q8(m) and id(m) not in seen]
+    head = getattr(model, "lm_head", None)
+    if q8(head):
+        groups.append([head])  # type: ignore[list-item]
+    return groups
+
+
+def _timer(model: nn.Module, rows: int, with_head: bool) -> Callable[[], float] | None:
+    """A function timing one round of the model's linears at ``rows`` rows (seconds)."""
+    from quickdraft.quant.ggml import ggml_linear_multi
+
+    groups = _groups(model)
+    if not with_head:
+        groups = groups[:-1] if groups and groups[-1][0] is getattr(model, "lm_head", None) else groups
+    if not groups:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, g[0].in_features, generator=gen) for g in groups]  # type: ignore[arg-type]
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for g, x in zip(groups, inputs, strict=True):
+            ggml_linear_multi(g, x)
+        return time.perf_counter() - t0
+
+    run()  # repacks into lanes on the first call
+    return run
+
+
+def _race(mod: Any, cls: int, timer: Callable[[], float], settings: list[Setting]) -> dict[Setting, list[float]]:
+    """Each setting timed once per round, rounds rotating the order; seconds per setting."""
+    times: dict[Setting, list[float]] = {s: [] for s in settings}
+    for r in range(ROUNDS):
+        for i in range(len(settings)):
+            s = settings[(i + r) % len(settings)]
+            mod.set_tuning(cls, *s)
+            times[s].append(timer())
+    return times
+
+
+def _better(times: dict[Any, list[float]], default: Any) -> Any:
+    """The fastest entry where it beats ``default`` clearly (min and median by MARGIN), else default."""
+    def key(s: Any) -> tuple[float, float]:
+        return min(times[s]), statistics.median(times[s])
+
+    best = min(times, key=lambda s: key(s)[0])
+    b, d = key(best), key(default)
+    return best if b[0] <= MARGIN * d[0] and b[1] <= MARGIN * d[1] else default
+
+
+def measure(model: nn.Module, isas: list[str], say: Callable[[str], None]) -> Choice:
+    """Time the candidates on ``model``'s weights and return the fastest clear choice."""
+    from quickdraft.quant.ggml import active_kernels
+
+    mod = active_kernels()
+    assert mod is not None
+    say("choosing this machine's kernels for the model (first start with this kernel build) ...")
+    timers = [_timer(model, rows, with_head=cls < 2) for cls, (_, rows) in enumerate(CLASSES)]
+    for cls, default in enumerate(DEFAULTS):
+        mod.set_tuning(cls, *default)
+    isa = isas[0]
+    if len(isas) > 1 and timers[0] is not None:  # decode and verification decide the build
+        totals: dict[str, list[float]] = {i: [] for i in isas}
+        for r in range(ROUNDS):
+            for i in (isas if r % 2 == 0 else isas[::-1]):
+                mod.set_isa(i)
+                totals[i].append(sum(t() for t in timers[:2] if t is not None))
+        isa = _better(totals, isas[0])
+    mod.set_isa(isa)
+    settings = []
+    for cls, (default, candidates) in enumerate(zip(DEFAULTS, CANDIDATES, strict=True)):
+        timer = timers[cls]
+        if timer is None:
+            settings.append(default)
+            continue
+        times = _race(mod, cls, timer, [default, *candidates])
+        chosen = _better(times, default)
+        mod.set_tuning(cls, *chosen)
+        settings.append(chosen)
+    return Choice(isa, tuple(settings), time.time(), fresh=True)
+
+
+def tuning_key(path: Path) -> str:
+    """What a choice depends on: the CPU, the model file, the kernel build and the thread count."""
+    from quickdraft import kernels
+    from quickdraft.hardware import cpu_model
+
+    try:
+        st = path.stat()
+        ident = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    except OSError:
+        ident = str(path)
+    return "|".join([cpu_model(), ident, kernels.build_name(), f"threads={torch.get_num_threads()}",
+                     f"isa={os.environ.get('QUICKDRAFT_ISA', '').strip().lower() or 'auto'}"])
+
+
+def _kept(entry: object, isas: list[str]) -> Choice | None:
+    try:
+        assert isinstance(entry, dict)
+        measured = float(entry["measured"])
+        settings = tuple(tuple(int(v) for v in s) for s in entry["settings"])
+        isa = str(entry["isa"])
+    except (AssertionError, KeyError, TypeError, ValueError):
+        return None
+    if (time.time() - measured > MAX_AGE_DAYS * 86400 or isa not in isas or len(settings) != len(DEFAULTS)
+            or not all(len(s) == 3 for s in settings) or not math.isfinite(measured)):
+        return None
+    return Choice(isa, settings, measured)  # type: ignore[arg-type]
+
+
+def tune(model: nn.Module, model_path: Path, say: Callable[[str], None], path: Path | None = None) -> Choice | None:
+    """Install this machine's kernel choice for ``model`` (kept, or measured now and kept); None
+    where the q8 kernels do not run the model or QUICKDRAFT_TUNE=0 says to keep the defaults."""
+    from quickdraft import kernels, zoo
+    from quickdraft.quant.ggml import active_kernels
+
+    mod = active_kernels()
+    if mod is None or os.environ.get("QUICKDRAFT_TUNE", "").strip() in ("0", "off", "no") or not _groups(model):
+        return None
+    forced = kernels.env_isa()
+    isas = [forced] if forced else ["avx2", *(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else [])]
+    path = path or zoo.cache_dir() / FILE_NAME
+    key = tuning_key(model_path)
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        entries = {}
+    if not isinstance(entries, dict):
+        entries = {}
+    choice = _kept(entries.get(key), isas)
+    if choice is None:
+        choice = measure(model, isas, say)
+        entries[key] = {"measured": choice.measured, "isa": choice.isa, "settings": [list(s) for s in choice.settings]}
+        entries = dict(sorted(entries.items(), key=lambda kv: -float(kv[1].get("measured", 0)))[:64])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernel_choices.")
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(entries, fh, indent=1)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # measured again at the next start
+    apply(mod, choice)
+    return choice

@@ -1,0 +1,102 @@
+"""Kernels chosen by measurement: every candidate computes the same bits; the choice is kept per
+machine and model, re-measured when stale, and QUICKDRAFT_TUNE=0 keeps the defaults."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_kernels import BLOCK_FORMATS, random_raw
+
+from quickdraft import kernels
+from quickdraft.kernels import tuning
+from quickdraft.loading.load import load_model
+from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_multi
+
+pytestmark = pytest.mark.skipif(active_kernels() is None, reason="the native kernels are not built here")
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture()
+def restore_tuning():
+    mod = active_kernels()
+    saved = [mod.tuning(c) for c in range(3)], kernels.isa()
+    yield mod
+    for c, s in enumerate(saved[0]):
+        mod.set_tuning(c, *s)
+    kernels.set_isa(saved[1])
+
+
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
+def test_every_candidate_setting_gives_the_same_bits(qtype, restore_tuning) -> None:
+    """Every (prefetch, ahead, runs) the tuner may pick, for every class of row counts, and every
+    instruction set this CPU runs: bitwise the defaults' output (N spans several panels and runs)."""
+    mod = restore_tuning
+    n, k = 203, 512
+    lins = [GGMLLinear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=s)), k) for s in (1, 2)]
+    isas = ["avx2", *(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else [])]
+    g = torch.Generator().manual_seed(0)
+    for cls, (_, rows) in enumerate(tuning.CLASSES):
+        x = torch.randn(rows + (cls == 2), k, generator=g)  # (65 rows: a second 64-row block)
+        mod.set_tuning(cls, *tuning.DEFAULTS[cls])
+        kernels.set_isa("avx2")
+        want = ggml_linear_multi(lins, x)
+        for isa in isas:
+            kernels.set_isa(isa)
+            for setting in {*tuning.CANDIDATES[cls], *[s for c in tuning.CANDIDATES for s in c]}:
+                mod.set_tuning(cls, *setting)
+                got = ggml_linear_multi(lins, x)
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (cls, isa, setting)
+
+
+def test_set_tuning_validates_and_reports(restore_tuning) -> None:
+    mod = restore_tuning
+    prev = mod.set_tuning(0, 2, 2, 3)
+    assert mod.tuning(0) == (2, 2, 3) and mod.set_tuning(0, *prev) == (2, 2, 3)
+    for bad in ((3, 3, 1, 2), (0, 4, 1, 2), (0, 1, 0, 2), (0, 1, 5, 2), (0, 1, 1, 17)):
+        with pytest.raises(RuntimeError, match="must be"):
+            mod.set_tuning(*bad)
+
+
+def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, restore_tuning) -> None:
+    mod = restore_tuning
+    monkeypatch.setattr(tuning, "ROUNDS", 2)
+    monkeypatch.delenv("QUICKDRAFT_TUNE", raising=False)
+    model_path = DATA / "tiny-qwen2-256-Q5_K.gguf"
+    model = load_model(str(model_path), max_context=64).model
+    store, said = tmp_path / "choices.json", []
+    first = tuning.tune(model, model_path, said.append, store)
+    assert first is not None and first.fresh and said and "choosing" in said[0]
+    assert first.isa == kernels.isa() and [mod.tuning(c) for c in range(3)] == list(first.settings)
+    assert "kernels: " in first.line() and "measured now" in first.line()
+    # kept: a second start installs the stored choice without measuring
+    entries = json.loads(store.read_text())
+    (key,) = entries
+    entries[key]["settings"] = [[0, 2, 3], [2, 2, 4], [3, 1, 8]]
+    store.write_text(json.dumps(entries))
+    said.clear()
+    kept = tuning.tune(model, model_path, said.append, store)
+    assert kept is not None and not kept.fresh and not said
+    assert [mod.tuning(c) for c in range(3)] == [(0, 2, 3), (2, 2, 4), (3, 1, 8)]
+    assert "no prefetch, 2 panel(s) ahead, 3 runs/thread" in kept.line() and "kept from" in kept.line()
+    # stale or damaged: measured again
+    entries[key]["measured"] = time.time() - 31 * 86400
+    store.write_text(json.dumps(entries))
+    assert tuning.tune(model, model_path, said.append, store).fresh  # type: ignore[union-attr]
+    store.write_text("{broken")
+    assert tuning.tune(model, model_path, said.append, store).fresh  # type: ignore[union-attr]
+    # QUICKDRAFT_TUNE=0: nothing measured or installed
+    monkeypatch.setenv("QUICKDRAFT_TUNE", "0")
+    assert tuning.tune(model, model_path, said.append, tmp_path / "other.json") is None
+    assert not (tmp_path / "other.json").exists()
+
+
+def test_better_needs_a_clear_margin() -> None:
+    base = {"a": [1.0, 1.1, 1.2], "b": [0.99, 1.0, 1.3], "c": [0.9, 0.95, 1.0]}
+    assert tuning._better({"a": base["a"], "b": base["b"]}, "a") == "a"  # within noise: the default
+    assert tuning._better(base, "a") == "c"
+    assert np.isclose(min(base["c"]), 0.9)
