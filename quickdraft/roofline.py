@@ -25,6 +25,7 @@ from torch import nn
 
 from quickdraft import zoo
 from quickdraft.hardware import cpu_model
+from quickdraft.models.llama import CausalLM
 
 MAX_AGE_DAYS = 30
 PROBE_BYTES = 256 << 20  # far beyond any L3 of the machines this runs on
@@ -58,10 +59,10 @@ def weight_read_bytes(model: nn.Module) -> int:
     return total
 
 
-def kv_read_bytes(model: nn.Module, context: int) -> int:
+def kv_read_bytes(model: CausalLM, context: int) -> int:
     """Bytes of keys and values a 1-row pass reads after ``context`` tokens (every layer, K and V)."""
-    cfg = model.config  # type: ignore[attr-defined]
-    kv_dtype = model.kv_dtype or model.dtype  # type: ignore[attr-defined]
+    cfg = model.config
+    kv_dtype = model.kv_dtype or model.dtype
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     return per_token * context * torch.empty(0, dtype=kv_dtype).element_size()
 
@@ -135,7 +136,7 @@ class Roofline:
                 "read_bandwidth_gbs": self.bandwidth_gbs, "fraction": self.fraction, "threads": self.threads}
 
 
-def roofline(model: nn.Module, tokens_per_second: float, context: int) -> Roofline:
+def roofline(model: CausalLM, tokens_per_second: float, context: int) -> Roofline:
     """Plain decoding at ``tokens_per_second`` with ``context`` tokens cached, against the probe."""
     threads = torch.get_num_threads()
     on_cpu = next(model.parameters()).device.type == "cpu"

@@ -29,10 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from quickdraft.quant.ggml import GGMLLinear
 
 MAX_AGE_DAYS = 30
 FILE_NAME = "kernel_choices.json"
@@ -76,25 +79,32 @@ def apply(mod: Any, choice: Choice) -> None:
         mod.set_tuning(cls, *setting)
 
 
-def _groups(model: nn.Module) -> list[list[nn.Module]]:
+def _groups(model: nn.Module) -> list[list[GGMLLinear]]:
     """The q8 linears of the first layer, grouped as the native stack calls them, and the head."""
     from quickdraft.quant.ggml import GGMLLinear
 
-    def q8(m: object) -> bool:
+    def q8(m: object) -> TypeGuard[GGMLLinear]:
         return isinstance(m, GGMLLinear) and m.activation_mode == "q8"
 
-    layer = model.model.layers[0]  # type: ignore[union-attr, index]
-    groups: list[list[nn.Module]] = []
+    try:
+        layers = model.get_submodule("model.layers")
+    except AttributeError:  # not a decoder stack of the usual shape: nothing to time
+        return []
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return []
+    layer = layers[0]
+    groups: list[list[GGMLLinear]] = []
     seen: set[int] = set()
     for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
-        mods = [m for sub in ("self_attn", "mlp") for n in names if q8(m := getattr(getattr(layer, sub, None), n, None))]
-        if mods and len({m.in_features for m in mods}) == 1:  # type: ignore[union-attr]
+        found = [getattr(getattr(layer, sub, None), n, None) for sub in ("self_attn", "mlp") for n in names]
+        mods = [m for m in found if q8(m)]
+        if mods and len({m.in_features for m in mods}) == 1:
             groups.append(mods)
             seen |= {id(m) for m in mods}
     groups += [[m] for m in layer.modules() if q8(m) and id(m) not in seen]
     head = getattr(model, "lm_head", None)
     if q8(head):
-        groups.append([head])  # type: ignore[list-item]
+        groups.append([head])
     return groups
 
 
@@ -108,7 +118,7 @@ def _timer(model: nn.Module, rows: int, with_head: bool) -> Callable[[], float] 
     if not groups:
         return None
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(rows, g[0].in_features, generator=gen) for g in groups]  # type: ignore[arg-type]
+    inputs = [torch.randn(rows, g[0].in_features, generator=gen) for g in groups]
 
     def run() -> float:
         t0 = time.perf_counter()
