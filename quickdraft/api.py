@@ -154,7 +154,7 @@ def describe_memory(engine: Engine, prefix: PrefixCache) -> str:
     """One start-up line: the KV cache's size per token and in all, and the prefix cache's budget."""
     cache = engine.cache
     per_token = cache.bytes_per_token
-    line = (f"KV cache: {cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.k.dtype}) = "
+    line = (f"KV cache: {cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.kind}) = "
             f"{cache.max_len * per_token / 2**20:.0f} MB; ")
     if not prefix.enabled:
         return line + "prefix cache: off"

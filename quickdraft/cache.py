@@ -17,9 +17,44 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 
+Q8_0 = "q8_0"  # --kv-dtype q8_0: keys and values as GGML Q8_0 blocks (32 int8 and an fp16 scale)
+KVType = torch.dtype | str  # a torch dtype, or Q8_0
+Q8_BLOCK, Q8_BYTES = 32, 34
+
+
+def kv_value_bytes(kind: KVType) -> float:
+    """Bytes one key or value element takes in a cache of this type."""
+    if kind == Q8_0:
+        return Q8_BYTES / Q8_BLOCK
+    assert isinstance(kind, torch.dtype)
+    return torch.empty(0, dtype=kind).element_size()
+
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [..., D] (D a multiple of 32) -> Q8_0 bytes uint8 [..., D / 32 * 34], as the native
+    attention stores rows, bit for bit: per 32 values d = max|x| / 127, q = round-half-even(x * (1 / d))
+    (0 where d is 0), then d as fp16 (nearest even) before its 32 q."""
+    *lead, d_model = x.shape
+    xb = x.to(torch.float32).reshape(*lead, d_model // Q8_BLOCK, Q8_BLOCK)
+    d = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, torch.div(torch.ones_like(d), d), torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8)
+    scale = d.to(torch.float16).unsqueeze(-1).view(torch.uint8)  # [..., D/32, 2]
+    return torch.cat([scale, q.view(torch.uint8)], dim=-1).reshape(*lead, d_model // Q8_BLOCK * Q8_BYTES)
+
+
+def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q8_0 bytes [..., D / 32 * 34] -> float32 [..., D]: q * d, as the native attention reads them."""
+    *lead, nbytes = raw.shape
+    blocks = raw.reshape(*lead, nbytes // Q8_BYTES, Q8_BYTES)
+    d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [..., D/32, 1]
+    q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
+    return (q * d).reshape(*lead, nbytes // Q8_BYTES * Q8_BLOCK)
+
 
 class KVCache:
-    """Keys and values of every layer, ``[layers, kv_heads, max_len, head_dim]`` each."""
+    """Keys and values of every layer, ``[layers, kv_heads, max_len, head_dim]`` each (a q8_0 cache:
+    ``[..., head_dim / 32 * 34]`` bytes of Q8_0 blocks per slot; :meth:`write` returns them dequantized)."""
 
     copyable = True  # snapshot/restore hold the whole state (a sharded cache's other ranks do not)
 
@@ -29,11 +64,19 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         max_len: int,
-        dtype: torch.dtype,
+        dtype: KVType,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D]
+        self.kind = dtype
+        if dtype == Q8_0:
+            if head_dim % Q8_BLOCK:
+                raise QuickdraftError(f"--kv-dtype q8_0 needs a head size that is a multiple of 32, this model's is {head_dim}")
+            shape = (num_layers, num_kv_heads, max_len, head_dim // Q8_BLOCK * Q8_BYTES)
+            dtype = torch.uint8
+        else:
+            shape = (num_layers, num_kv_heads, max_len, head_dim)
+        assert isinstance(dtype, torch.dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D] (q8_0: bytes)
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D]
         # per-layer views [Hkv, S, D], made once (indexing self.k[layer] costs a torch op per use)
         self.k_layers = self.k.unbind(0)
@@ -54,6 +97,10 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` ``[Hkv, T, D]`` at slots ``start..`` and return keys/values up to the end."""
         end = start + k.shape[1]
+        if self.kind == Q8_0:
+            self.k[layer, :, start:end] = quantize_q8_0(k)
+            self.v[layer, :, start:end] = quantize_q8_0(v)
+            return dequantize_q8_0(self.k[layer, :, :end]), dequantize_q8_0(self.v[layer, :, :end])
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]  # [Hkv, end, D]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 # KV cache element types: auto = float16 where the CPU kernels run the model (fp32 activations;
 # the native attention widens each key and value exactly), else the activation dtype.
-KV_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+KV_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "q8_0")
 DEVICES = ("auto", "cpu", "cuda")  # --device (and cuda:N)
 CUDA_GRAPH_MODES = ("auto", "on", "off")  # --cuda-graphs
 # A draft model's output head covers its this many most frequent tokens, as many first ids, each

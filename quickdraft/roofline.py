@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from quickdraft import zoo
+from quickdraft.cache import kv_value_bytes
 from quickdraft.hardware import cpu_model
 from quickdraft.models.llama import CausalLM
 
@@ -62,9 +63,8 @@ def weight_read_bytes(model: nn.Module) -> int:
 def kv_read_bytes(model: CausalLM, context: int) -> int:
     """Bytes of keys and values a 1-row pass reads after ``context`` tokens (every layer, K and V)."""
     cfg = model.config
-    kv_dtype = model.kv_dtype or model.dtype
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-    return per_token * context * torch.empty(0, dtype=kv_dtype).element_size()
+    return int(per_token * context * kv_value_bytes(model.kv_dtype or model.dtype))
 
 
 def read_bandwidth(threads: int | None = None, path: Path | None = None) -> float | None:

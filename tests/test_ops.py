@@ -178,3 +178,45 @@ def test_attend_over_a_float16_cache_is_the_float32_result_of_its_values():
     assert torch.equal(tree, ops.attend(q[:, :1], kf[:, : start + 2], vf[:, : start + 2], start, 0, 0.125, rows, offsets))
     with pytest.raises(RuntimeError, match="one type"):
         ops.attend(q, kh, vf, start, 0, 0.125, None, None)
+
+
+@requires_kernels
+@pytest.mark.parametrize("t", [1, 4, 19])
+def test_attend_over_a_q8_0_cache_is_the_float32_result_of_its_values(t):
+    """A q8_0 cache (--kv-dtype q8_0): new keys and values are quantized as quantize_q8_0 does, bit
+    for bit (zero blocks included), and every row (chain across several key tiles, window, tree)
+    computes bitwise what it computes over an fp32 cache holding the dequantized values (q * d is
+    exact in fp32); a row alone equals the same row in a pass."""
+    from quickdraft.cache import dequantize_q8_0, quantize_q8_0
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, start = 6, 2, 64, 150
+    k = torch.randn(hkv, start + 24, d, generator=g) * 3
+    v = torch.randn(hkv, start + 24, d, generator=g) * 3
+    kn = torch.randn(t, hkv, d, generator=g).transpose(0, 1) * 3
+    vn = torch.randn(t, hkv, d, generator=g).transpose(0, 1) * 3
+    kn[0, 0, :32] = 0.0  # an all-zero block: d = 0, q = 0
+    q = torch.randn(hq, t, d, generator=g)
+    ops = _ops()
+    kq, vq = quantize_q8_0(k), quantize_q8_0(v)
+    assert kq.dtype == torch.uint8 and kq.shape == (hkv, start + 24, d // 32 * 34)
+    out = ops.attend(q, kq, vq, start, 0, 0.125, None, None, kn, vn)
+    assert torch.equal(kq[:, start : start + t], quantize_q8_0(kn)) and torch.equal(vq[:, start : start + t], quantize_q8_0(vn))
+    kf, vf = dequantize_q8_0(kq), dequantize_q8_0(vq)
+    assert (kf[0, start, :32] == 0).all()
+    torch.testing.assert_close(kf[:, :start], k[:, :start], rtol=0, atol=3 * k.abs().max().item() / 254)
+    assert torch.equal(out, ops.attend(q, kf[:, : start + t], vf[:, : start + t], start, 0, 0.125, None, None))
+    for i in {0, t - 1}:
+        end = start + i + 1
+        alone = ops.attend(q[:, i : i + 1], kq[:, :end], vq[:, :end], end - 1, 0, 0.125, None, None)
+        assert torch.equal(alone[0], out[i])
+        ref = _sdpa(q[:, i : i + 1], kf[:, :end], vf[:, :end], 0.125)[:, 0]
+        torch.testing.assert_close(out[i].view(hq, d), ref, rtol=1e-5, atol=1e-5)
+    win = ops.attend(q, kq[:, : start + t], vq[:, : start + t], start, 70, 0.125, None, None)
+    assert torch.equal(win, ops.attend(q, kf[:, : start + t], vf[:, : start + t], start, 70, 0.125, None, None))
+    rows = torch.cat([torch.arange(start), torch.tensor([start + t - 1])])
+    offsets = torch.tensor([0, rows.numel()])
+    tree = ops.attend(q[:, :1], kq[:, : start + t], vq[:, : start + t], start, 0, 0.125, rows, offsets)
+    assert torch.equal(tree, ops.attend(q[:, :1], kf[:, : start + t], vf[:, : start + t], start, 0, 0.125, rows, offsets))
+    with pytest.raises(RuntimeError, match="q8_0: of 32"):
+        ops.attend(torch.randn(2, 1, 48), quantize_q8_0(torch.randn(1, 4, 64))[..., :51], quantize_q8_0(torch.randn(1, 4, 64))[..., :51], 3, 0, 0.1, None, None)

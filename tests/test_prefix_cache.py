@@ -188,6 +188,26 @@ def test_native_quantized_stack_warm_equals_cold(gguf: LoadedModel) -> None:
         history = history + warm.ids + tokens(20 + turn, 30, vocab)
 
 
+def test_q8_0_kv_warm_equals_cold() -> None:
+    """--kv-dtype q8_0: a stored prefix restores the same Q8_0 bytes a cold prefill writes."""
+    from quickdraft.quant.ggml import kernels_active
+
+    if not kernels_active():
+        pytest.skip("the native kernels are not built on this machine")
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "tiny-qwen2-256-IQ4_XS.gguf"
+    loaded = load_model(str(path), max_context=CONTEXT, kv_dtype="q8_0")
+    engine = Engine(loaded.model, loaded.tokenizer, prefix_cache=PrefixCache(64 * MB))
+    vocab = loaded.config.vocab_size
+    history = tokens(3, 150, vocab)
+    for turn in range(3):
+        warm = run(engine, history, NGramDrafter(), 4, GREEDY)
+        same(warm, run(Engine(loaded.model, loaded.tokenizer), history, NGramDrafter(), 4, GREEDY))
+        assert (warm.stats.cached_tokens > 0) == (turn > 0)
+        history = history + warm.ids + tokens(30 + turn, 30, vocab)
+
+
 # --------------------------------------------------------------------------- shapes of reuse
 
 

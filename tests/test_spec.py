@@ -399,6 +399,41 @@ def test_quant_types_ngram_and_rows(quant_case: Case) -> None:
     check_rows_bitwise(quant_case.loaded.model, quant_case.prompt, quant_case.truth[:12], [2, 5, 9], [0, 3])
 
 
+# --kv-dtype q8_0: keys and values as Q8_0 blocks (head size 64: the hidden-256 model of tests/data).
+@pytest.fixture(scope="module")
+def q8_kv_case() -> Case:
+    from quickdraft.quant.ggml import kernels_active
+
+    if not kernels_active():
+        pytest.skip("the native kernels are not built on this machine")
+    loaded = load_model(str(QUANT_DATA / "tiny-qwen2-256-Q5_K.gguf"), max_context=256, kv_dtype="q8_0")
+    assert loaded.model.new_cache().kind == "q8_0" and loaded.model.new_cache().k.dtype == torch.uint8
+    return make_case(loaded, TINY_PROMPT, QUANT_N)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "coin"])
+@pytest.mark.parametrize("k", [1, 5])
+def test_q8_0_kv_scripted_drafters_match_plain_greedy(q8_kv_case: Case, kind: str, k: int) -> None:
+    check_scripted(q8_kv_case, kind, k)
+
+
+def test_q8_0_kv_ngram_rows_and_long_prefill(q8_kv_case: Case) -> None:
+    """n-gram drafts, rows bitwise alone or in a pass, and a prompt longer than one native pass
+    (its chunks attend through the torch path over the same dequantized keys): plain == speculative."""
+    run = q8_kv_case.spec(NGramDrafter(min_ngram=1), 5)
+    assert run.ids == q8_kv_case.truth and run.stats.drafted > 0
+    check_rows_bitwise(q8_kv_case.loaded.model, q8_kv_case.prompt, q8_kv_case.truth[:12], [2, 5, 9], [0, 3])
+    long_case = make_case(q8_kv_case.loaded, TINY_PROMPT * 6, 24)
+    assert len(long_case.prompt) > 64
+    for kind in ("oracle", "partly"):
+        check_scripted(long_case, kind, 4)
+
+
+def test_q8_0_kv_needs_the_kernels_path() -> None:
+    with pytest.raises(QuickdraftError, match="q8_0 needs the CPU kernels"):
+        load_model(str(QUANT_DATA / "tiny-qwen2-256-Q5_K.gguf"), dtype="float32", kv_dtype="q8_0")
+
+
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "random", "coin"])
 def test_tiny_scripted_drafters_match_plain_greedy(tiny: Case, kind: str, k: int) -> None:

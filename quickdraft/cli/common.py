@@ -36,7 +36,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
                    help="KV cache element type: auto (default) = float16 where the CPU kernels run the model "
                         "(half of float32's memory and bandwidth; lossless speculation either way), else the "
-                        "activation dtype; float32 with --dtype float32 is the exact reference mode")
+                        "activation dtype; float32 with --dtype float32 is the exact reference mode; q8_0 "
+                        "(CPU kernels' path) stores 8-bit blocks, ~half of float16's, for long contexts")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     g.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                    help="host memory for earlier sequences' keys/values and drafter state: a request that "

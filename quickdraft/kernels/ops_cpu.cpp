@@ -147,10 +147,25 @@ inline __m128 hsum8x4(__m256 A, __m256 B, __m256 C, __m256 D) {
   return _mm_unpacklo_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
 }
 
-// 8 cache values as fp32: a float cache as is, an fp16 one (uint16 bits) widened exactly (F16C).
-QD_LOAD_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-QD_LOAD_INLINE __m256 load8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// A q8_0 cache row (--kv-dtype q8_0): D values as D / 32 GGML Q8_0 blocks, an fp16 scale d and 32
+// int8 q each; a value is q * d. A row is quantized alone (store_row), so what a token stores does
+// not depend on the other rows of its pass.
+struct __attribute__((packed)) Q8Block {
+  uint16_t d;
+  int8_t q[32];
+};
+static_assert(sizeof(Q8Block) == 34, "Q8Block layout");
+
+// Values 8c .. 8c + 7 of a cache row as fp32: a float cache as is, an fp16 one (uint16 bits) widened
+// exactly (F16C), a q8_0 one as q * d (one rounding, the same for every reader).
+QD_LOAD_INLINE __m256 load8(const float* row, int64_t c) { return _mm256_loadu_ps(row + 8 * c); }
+QD_LOAD_INLINE __m256 load8(const uint16_t* row, int64_t c) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c)));
+}
+QD_LOAD_INLINE __m256 load8(const Q8Block* row, int64_t c) {
+  const Q8Block& b = row[c / 4];
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.q + 8 * (c % 4)))));
+  return _mm256_mul_ps(q, _mm256_set1_ps(_cvtsh_ss(b.d)));
 }
 
 // Query heads per pass over a kv head's keys / values (registers: KEYS x HEADS score chains,
@@ -172,7 +187,7 @@ inline void scores(const float* const* qr, const KV* kb, int64_t ks1, const int6
   }
   for (int64_t c = 0; c < nv; ++c) {
     __m256 kv[NK];
-    UNROLL for (int u = 0; u < NK; ++u) kv[u] = load8(kr[u] + 8 * c);
+    UNROLL for (int u = 0; u < NK; ++u) kv[u] = load8(kr[u], c);
     UNROLL for (int g = 0; g < NH; ++g) {
       const __m256 qv = _mm256_loadu_ps(qr[g] + 8 * c);
       UNROLL for (int u = 0; u < NK; ++u) a[u][g] = _mm256_fmadd_ps(qv, kv[u], a[u][g]);
@@ -202,9 +217,9 @@ template <int NH, int NC, typename KV>
 QD_LOAD_INLINE void fma_values(const KV* vb, int64_t vs1, const int64_t* idx, int64_t n, int64_t c,
                                const float* const* ps, __m256 (&a)[NH][NC]) {
   for (int64_t j = 0; j < n; ++j) {
-    const KV* vr = vb + idx[j] * vs1 + 8 * c;
+    const KV* vr = vb + idx[j] * vs1;
     __m256 vv[NC];
-    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr + 8 * e);
+    UNROLL for (int e = 0; e < NC; ++e) vv[e] = load8(vr, c + e);
     UNROLL for (int g = 0; g < NH; ++g) {
       const __m256 pj = _mm256_broadcast_ss(ps[g] + j);
       UNROLL for (int e = 0; e < NC; ++e) a[g][e] = _mm256_fmadd_ps(pj, vv[e], a[g][e]);
@@ -293,11 +308,12 @@ void attend_heads_n(const float* const* qr, const KV* kb, int64_t ks1, const KV*
 constexpr int64_t KEY_TILE = 64;
 constexpr int ROW_BLOCK = 16;
 
-// Slots t0 .. t0 + cnt - 1 of a cache (row stride s1) as fp32 rows of D at out: an fp16 tile widened
-// once for all the rows of a block (exactly: the FMAs see the values they would convert themselves).
-inline void widen_tile(const uint16_t* src, int64_t s1, int64_t t0, int64_t cnt, int64_t D, float* out) {
+// Slots t0 .. t0 + cnt - 1 of a cache (row stride s1) as fp32 rows of D at out: an fp16 or q8_0 tile
+// widened once for all the rows of a block (the FMAs see the values they would convert themselves).
+template <typename KV>
+inline void widen_tile(const KV* src, int64_t s1, int64_t t0, int64_t cnt, int64_t D, float* out) {
   for (int64_t j = 0; j < cnt; ++j)
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + j * D + d, load8(src + (t0 + j) * s1 + d));
+    for (int64_t c = 0; c < D / 8; ++c) _mm256_storeu_ps(out + j * D + 8 * c, load8(src + (t0 + j) * s1, c));
 }
 
 // IOTA[j] = j: the slot list of a widened tile (slots relative to its first)
@@ -315,7 +331,7 @@ template <int NH, typename KV>
 void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
                     const int64_t* const* idx, const int64_t* n, int64_t nv, float sc, float* const* const* ps,
                     float* const* const* acc, float* const* const* y, bool dense, float* kt, float* vt) {
-  constexpr bool HALF = std::is_same_v<KV, uint16_t>;
+  constexpr bool HALF = !std::is_same_v<KV, float>;  // a 16-bit or q8_0 cache: tiles are widened
   const int64_t D = 8 * nv;
   int64_t most = 0;
   for (int r = 0; r < nr; ++r) most = std::max(most, n[r]);
@@ -406,6 +422,27 @@ inline void store_row(uint16_t* dst, const float* src, int64_t D) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// q8_0, per 32 values: amax = max |x|, d = amax / 127, q = round-half-even(x * (1 / d)) (0 where d is
+// 0), d stored as fp16 (nearest even); quickdraft/cache.py has the same rule in torch, bit for bit.
+inline void store_row(Q8Block* dst, const float* src, int64_t D) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const float* x = src + 32 * b;
+    __m256 m = _mm256_setzero_ps();
+    for (int v = 0; v < 4; ++v) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * v)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    for (int v = 0; v < 4; ++v) q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * v), id));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[b].q),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    dst[b].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
 
 // The rows' attention over a cache of element type KV (float, or fp16 bits as uint16_t).
 template <typename KV>
@@ -416,8 +453,9 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const KV* kp = static_cast<const KV*>(k.data_ptr());
   const KV* vp = static_cast<const KV*>(v.data_ptr());
   float* yp = out.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), group = Hq / Hkv, nv = D / 8;
+  const int64_t unit = static_cast<int64_t>(sizeof(KV)) / k.element_size();  // tensor elements per KV (q8_0: 34 bytes)
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0) / unit, ks1 = k.stride(1) / unit;
+  const int64_t vs0 = v.stride(0) / unit, vs1 = v.stride(1) / unit, group = Hq / Hkv, nv = D / 8;
   const int64_t S = std::min(k.size(1), v.size(1));
   // one work item per (kv head, block of up to ROW_BLOCK rows): the group's query heads and the
   // block's rows share every key and value load
@@ -501,13 +539,16 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
 
 template <typename KV>
 void write_rows(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& kn, const torch::Tensor& vn, int64_t start) {
-  const int64_t Hkv = k.size(0), T = kn.size(1), D = k.size(2);
+  const int64_t Hkv = k.size(0), T = kn.size(1), D = kn.size(2);
+  const int64_t unit = static_cast<int64_t>(sizeof(KV)) / k.element_size();
   KV* kp = static_cast<KV*>(k.data_ptr());
   KV* vp = static_cast<KV*>(v.data_ptr());
   for (int64_t h = 0; h < Hkv; ++h)
     for (int64_t t = 0; t < T; ++t) {
-      store_row(kp + h * k.stride(0) + (start + t) * k.stride(1), kn.data_ptr<float>() + h * kn.stride(0) + t * kn.stride(1), D);
-      store_row(vp + h * v.stride(0) + (start + t) * v.stride(1), vn.data_ptr<float>() + h * vn.stride(0) + t * vn.stride(1), D);
+      store_row(kp + (h * k.stride(0) + (start + t) * k.stride(1)) / unit,
+                kn.data_ptr<float>() + h * kn.stride(0) + t * kn.stride(1), D);
+      store_row(vp + (h * v.stride(0) + (start + t) * v.stride(1)) / unit,
+                vn.data_ptr<float>() + h * vn.stride(0) + t * vn.stride(1), D);
     }
 }
 
@@ -527,15 +568,19 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1;
   };
   auto cache_3d = [](const torch::Tensor& t) {
-    return t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kHalf) &&
-           t.dim() == 3 && t.stride(2) == 1;
+    const auto st = t.scalar_type();
+    return t.device().is_cpu() && (st == torch::kFloat32 || st == torch::kHalf || st == torch::kUInt8) && t.dim() == 3 &&
+           t.stride(2) == 1;
   };
   TORCH_CHECK(f32_3d(q) && cache_3d(k) && cache_3d(v) && k.scalar_type() == v.scalar_type(),
-              "q must be CPU float32 and k, v CPU float32 or float16 (one type) [heads, n, D] with unit last stride");
-  const bool half = k.scalar_type() == torch::kHalf;
+              "q must be CPU float32 and k, v CPU float32, float16 or q8_0 bytes (one type) [heads, n, D] with unit "
+              "last stride");
+  const bool half = k.scalar_type() == torch::kHalf, q8 = k.scalar_type() == torch::kUInt8;
   const int64_t T = q.size(1), D = q.size(2), Hkv = k.size(0), Hq = q.size(0);
-  TORCH_CHECK(D % 8 == 0 && k.size(2) == D && v.size(2) == D && v.size(0) == Hkv && Hkv > 0 && Hq % Hkv == 0,
-              "head dims must match (D a multiple of 8) and query heads be a multiple of kv heads");
+  const int64_t row = q8 ? D / 32 * 34 : D;  // a cache row's elements (q8_0: bytes of D / 32 blocks)
+  TORCH_CHECK(D % (q8 ? 32 : 8) == 0 && k.size(2) == row && v.size(2) == row && v.size(0) == Hkv && Hkv > 0 &&
+                  Hq % Hkv == 0,
+              "head dims must match (D a multiple of 8; q8_0: of 32) and query heads be a multiple of kv heads");
   int64_t S = std::min(k.size(1), v.size(1));
   const bool write = k_new.has_value() && k_new->defined();
   torch::Tensor kw = k, vw = v;
@@ -547,7 +592,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
                     vn.size(1) == T && kn.size(2) == D && vn.size(2) == D,
                 "k_new / v_new must be CPU float32 [kv heads, T, D] with unit last stride");
     TORCH_CHECK(start >= 0 && start + T <= S, "the new keys reach past the cache");
-    if (half)
+    if (q8)
+      write_rows<Q8Block>(kw, vw, kn, vn, start);
+    else if (half)
       write_rows<uint16_t>(kw, vw, kn, vn, start);
     else
       write_rows<float>(kw, vw, kn, vn, start);
@@ -573,7 +620,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   auto out = torch::empty({T, Hq * D}, q.options());
   // the rows see slots below S only (the new keys' end when writing)
   const torch::Tensor kr = k.narrow(1, 0, S), vr = v.narrow(1, 0, S);
-  if (half)
+  if (q8)
+    attend_rows<Q8Block>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
+  else if (half)
     attend_rows<uint16_t>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
   else
     attend_rows<float>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from quickdraft import zoo
+from quickdraft.cache import Q8_0
 from quickdraft.config import DTYPE_CHOICES, KV_DTYPE_CHOICES, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading import gguf as gguf_io
@@ -86,7 +87,8 @@ def load_model(
     reference mode used by tests; "bfloat16" / "float16" dequantize into that dtype.
     kv_dtype "auto": float16 keys and values where the CPU kernels run the model (half the memory
     and bandwidth of fp32; every pass reads them the same way, so speculation stays lossless),
-    else the activation dtype; or "float32" / "float16" / "bfloat16" explicitly.
+    else the activation dtype; or "float32" / "float16" / "bfloat16" explicitly; "q8_0" (CPU
+    kernels' path only): GGML Q8_0 blocks, each row quantized alone, as losslessly reused.
     """
     if dtype not in DTYPE_CHOICES:
         raise QuickdraftError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
@@ -123,7 +125,12 @@ def load_model(
         model = build_model(cfg, max_len)
     assert isinstance(model, CausalLM)
     model.materialize(device, DTYPES[dtype])
-    model.kv_dtype = torch.float16 if kv_dtype == "auto" and quantized else DTYPES.get(kv_dtype)
+    if kv_dtype == Q8_0 and not quantized:
+        raise QuickdraftError(
+            "--kv-dtype q8_0 needs the CPU kernels' path (a GGUF model with --dtype auto on the CPU, kernels "
+            "built); use float16 or float32 here"
+        )
+    model.kv_dtype = torch.float16 if kv_dtype == "auto" and quantized else Q8_0 if kv_dtype == Q8_0 else DTYPES.get(kv_dtype)
     convert = getattr(model, "convert_checkpoint", None)  # MoE models: expert layouts and names
     if convert is not None:
         tensors = convert(tensors)

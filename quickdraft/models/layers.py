@@ -66,7 +66,7 @@ def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     return [m(x) for m in modules]
 
 
-_NATIVE_KV = (torch.float32, torch.float16)  # cache types the native attention reads
+_NATIVE_KV = (torch.float32, torch.float16, torch.uint8)  # cache types the native attention reads (uint8: q8_0)
 
 
 def _fused_ops(x: torch.Tensor, param: torch.Tensor):  # noqa: ANN202 (the compiled module)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import KVCache, KVType
 from quickdraft.config import ModelConfig
 from quickdraft.models.layers import (
     BLOCKED_MAX_ROWS,
@@ -53,7 +53,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.max_len = max_len
         self.dtype = torch.float32  # activation dtype (set by materialize)
-        self.kv_dtype: torch.dtype | None = None  # KV cache element type; None: self.dtype
+        self.kv_dtype: KVType | None = None  # KV cache element type (a dtype or "q8_0"); None: self.dtype
         self.device = torch.device("cpu")
         self.model: Any = self.backbone(cfg, max_len)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
