@@ -6,6 +6,7 @@ later runs find them there and cost nothing.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,11 @@ import pytest
 import torch
 
 from quickdraft import zoo
+
+# Kernel tuning times candidate settings at each model's first start (seconds per model); every
+# setting computes the same bits (tests/test_tuning.py proves it and runs the tuner itself), so
+# the other tests, and the servers they start, keep the defaults instead of paying for it.
+os.environ.setdefault("QUICKDRAFT_TUNE", "0")
 
 
 @pytest.fixture(scope="session")

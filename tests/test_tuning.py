@@ -65,6 +65,7 @@ def test_set_tuning_validates_and_reports(restore_tuning) -> None:
 def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, restore_tuning) -> None:
     mod = restore_tuning
     monkeypatch.setattr(tuning, "ROUNDS", 2)
+    monkeypatch.setattr(tuning, "MIN_WEIGHT_BYTES", 0)  # (a tiny model: normally too small to tune)
     monkeypatch.delenv("QUICKDRAFT_TUNE", raising=False)
     model_path = DATA / "tiny-qwen2-256-Q5_K.gguf"
     model = load_model(str(model_path), max_context=64).model
@@ -89,8 +90,11 @@ def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, res
     assert tuning.tune(model, model_path, said.append, store).fresh  # type: ignore[union-attr]
     store.write_text("{broken")
     assert tuning.tune(model, model_path, said.append, store).fresh  # type: ignore[union-attr]
-    # QUICKDRAFT_TUNE=0: nothing measured or installed
+    # QUICKDRAFT_TUNE=0, or a model too small to time: nothing measured or installed
     monkeypatch.setenv("QUICKDRAFT_TUNE", "0")
+    assert tuning.tune(model, model_path, said.append, tmp_path / "other.json") is None
+    monkeypatch.delenv("QUICKDRAFT_TUNE")
+    monkeypatch.setattr(tuning, "MIN_WEIGHT_BYTES", 32 << 20)
     assert tuning.tune(model, model_path, said.append, tmp_path / "other.json") is None
     assert not (tmp_path / "other.json").exists()
 

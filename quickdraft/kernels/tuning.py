@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 MAX_AGE_DAYS = 30
 FILE_NAME = "kernel_choices.json"
+MIN_WEIGHT_BYTES = 32 << 20  # smaller models keep the defaults: their passes are too short to time apart
 Setting = tuple[int, int, int]  # (prefetch, ahead, runs)
 CLASSES = (("1 row", 1), ("2-16 rows", 8), ("17+ rows", 64))  # (name, rows timed) per class 0, 1, 2
 DEFAULTS: tuple[Setting, ...] = ((3, 1, 2), (3, 1, 4), (3, 1, 4))  # the kernels' own (ggml_cpu.cpp)
@@ -217,8 +218,11 @@ def tune(model: nn.Module, model_path: Path, say: Callable[[str], None], path: P
     from quickdraft import kernels, zoo
     from quickdraft.quant.ggml import active_kernels
 
+    from quickdraft.roofline import weight_read_bytes
+
     mod = active_kernels()
-    if mod is None or os.environ.get("QUICKDRAFT_TUNE", "").strip() in ("0", "off", "no") or not _groups(model):
+    if (mod is None or os.environ.get("QUICKDRAFT_TUNE", "").strip() in ("0", "off", "no") or not _groups(model)
+            or weight_read_bytes(model) < MIN_WEIGHT_BYTES):
         return None
     forced = kernels.env_isa()
     isas = [forced] if forced else ["avx2", *(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else [])]
