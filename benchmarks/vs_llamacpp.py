@@ -665,6 +665,7 @@ def measure_model(
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     from quickdraft.bench import runner
+    from quickdraft.kernels.tuning import tune as tune_kernels
     from quickdraft.loading.load import load_model, resolve
     from quickdraft.quant import kernels_active
 
@@ -680,6 +681,9 @@ def measure_model(
     )["info"]
     say(f"[{spec}] quickdraft: loading {path} (dtype {args.dtype}) ...")
     target = load_model(str(path), dtype=args.dtype, max_context=args.max_context)
+    choice = tune_kernels(target.model, target.path, say)  # the kernels a user's start picks
+    if choice is not None:
+        say(f"[{spec}] {choice.line()}")
     contenders = runner.build_in_process(
         args.method_list, spec, target, runner.MethodOptions(dtype=args.dtype), say
     )

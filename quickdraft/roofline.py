@@ -13,9 +13,6 @@ buffer, best of 3) and keeps per (CPU, threads) in ``<cache>/bandwidth.json`` fo
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quickdraft import zoo
+from quickdraft import kept, zoo
 from quickdraft.cache import kv_value_bytes
 from quickdraft.hardware import cpu_model
 from quickdraft.models.llama import CausalLM
@@ -79,25 +76,16 @@ def read_bandwidth(threads: int | None = None, path: Path | None = None) -> floa
     threads = threads or torch.get_num_threads()
     path = path or zoo.cache_dir() / FILE_NAME
     key = f"{cpu_model()}|threads={threads}"
+    entries, _ = kept.read(path)
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
         entry = entries[key]
         if time.time() - float(entry["measured"]) < MAX_AGE_DAYS * 86400 and float(entry["gbs"]) > 0:
             return float(entry["gbs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        entries = {}
-    if not isinstance(entries, dict):
-        entries = {}
+    except (KeyError, TypeError, ValueError):
+        pass
     gbs = float(mod.read_bandwidth(PROBE_BYTES, threads, 3))
     entries[key] = {"measured": time.time(), "gbs": gbs}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".bandwidth.")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(entries, fh, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # measured again next time
+    kept.write(path, entries)  # (where it cannot, measured again next time)
     return gbs
 
 

@@ -236,6 +236,16 @@ QD_INLINE void nibble_seg(int s, const uint8_t* b, P&& put) {
   put(2 * s + 1, hi);
 }
 
+// seg() of the IQ4 formats (values' nibbles at byte OFF of the block): the nibbles index the table.
+template <int64_t OFF, class P>
+QD_INLINE void iq4_seg(int s, const uint8_t* b, P&& put) {
+  __m256i lo, hi;
+  nibble_pair(b + OFF + 32 * s, lo, hi);
+  const __m256i t = iq4_table();
+  put(2 * s, _mm256_shuffle_epi8(t, lo));
+  put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+}
+
 struct Q8_0L {  // [d x 8][256 bytes: q, int8]
   static constexpr int64_t BS = 256, TS = 8 * 34, GBS = 32, GTS = 34;
   static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 127;
@@ -338,11 +348,7 @@ struct IQ4_NLL {
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    __m256i lo, hi;
-    nibble_pair(b + 16 + 32 * s, lo, hi);
-    const __m256i t = iq4_table();
-    put(2 * s, _mm256_shuffle_epi8(t, lo));
-    put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+    iq4_seg<16>(s, b, put);
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
@@ -441,11 +447,7 @@ struct IQ4_XSL {
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    __m256i lo, hi;
-    nibble_pair(b + 8 + 32 * s, lo, hi);
-    const __m256i t = iq4_table();
-    put(2 * s, _mm256_shuffle_epi8(t, lo));
-    put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+    iq4_seg<8>(s, b, put);
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     const __m256i is = _mm256_add_epi32(isum[0], isum[1]);

@@ -20,11 +20,9 @@ the instruction set; ``QUICKDRAFT_TUNE=0`` keeps the defaults.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -215,9 +213,8 @@ def _kept(entry: object, isas: list[str]) -> Choice | None:
 def tune(model: nn.Module, model_path: Path, say: Callable[[str], None], path: Path | None = None) -> Choice | None:
     """Install this machine's kernel choice for ``model`` (kept, or measured now and kept); None
     where the q8 kernels do not run the model or QUICKDRAFT_TUNE=0 says to keep the defaults."""
-    from quickdraft import kernels, zoo
+    from quickdraft import kept, kernels, zoo
     from quickdraft.quant.ggml import active_kernels
-
     from quickdraft.roofline import weight_read_bytes
 
     mod = active_kernels()
@@ -228,24 +225,11 @@ def tune(model: nn.Module, model_path: Path, say: Callable[[str], None], path: P
     isas = [forced] if forced else ["avx2", *(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else [])]
     path = path or zoo.cache_dir() / FILE_NAME
     key = tuning_key(model_path)
-    try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        entries = {}
-    if not isinstance(entries, dict):
-        entries = {}
+    entries, _ = kept.read(path)
     choice = _kept(entries.get(key), isas)
     if choice is None:
         choice = measure(model, isas, say)
         entries[key] = {"measured": choice.measured, "isa": choice.isa, "settings": [list(s) for s in choice.settings]}
-        entries = dict(sorted(entries.items(), key=lambda kv: -float(kv[1].get("measured", 0)))[:64])
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernel_choices.")
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(entries, fh, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # measured again at the next start
+        kept.write(path, entries)  # (where it cannot, measured again at the next start)
     apply(mod, choice)
     return choice

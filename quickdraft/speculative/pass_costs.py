@@ -10,10 +10,7 @@ says why). A cache folder that cannot be written only costs the saving, with a w
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -21,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft import zoo
+from quickdraft import kept, zoo
 from quickdraft.hardware import cpu_model
 from quickdraft.loading.load import LoadedModel
 from quickdraft.speculative.policy import (
@@ -31,7 +28,6 @@ from quickdraft.speculative.policy import (
 )
 
 MAX_AGE_DAYS = 30
-MAX_ENTRIES = 64  # the most recently measured are kept (tests and experiments add many)
 FILE_NAME = "pass_costs.json"
 
 
@@ -52,19 +48,6 @@ def cost_key(loaded: LoadedModel, rows: tuple[int, ...], variant: str = "") -> s
     kv = loaded.model.kv_dtype or loaded.model.dtype
     return "|".join([where, ident, build, f"threads={torch.get_num_threads()}", str(loaded.model.dtype), f"kv={kv}",
                      f"rows={','.join(map(str, rows))}", variant])
-
-
-def _read(path: Path) -> tuple[dict[str, dict], str | None]:
-    """The stored entries and, where the file is unusable, why."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}, None
-    except (OSError, ValueError) as exc:
-        return {}, f"{path} is unreadable ({type(exc).__name__})"
-    if not isinstance(data, dict):
-        return {}, f"{path} does not hold a JSON object"
-    return data, None
 
 
 def _valid(entry: object, rows: tuple[int, ...]) -> tuple[dict[int, float], tuple[float, float]] | None:
@@ -108,10 +91,10 @@ def _kept_or_measured(
 ) -> tuple[dict[int, float], tuple[float, float]]:
     path = path or zoo.cache_dir() / FILE_NAME
     key = cost_key(loaded, rows, variant)
-    entries, problem = _read(path)
-    kept = _valid(entries.get(key), rows)
-    if kept is not None:
-        return kept
+    entries, problem = kept.read(path)
+    stored = _valid(entries.get(key), rows)
+    if stored is not None:
+        return stored
     why = problem or ("the kept one is stale or damaged" if key in entries else
                       "first run of this model with this machine, kernel build and thread count")
     say(f"measuring the pass costs of {Path(loaded.path).name} for the speculation policy ({why}) ...")
@@ -124,14 +107,6 @@ def _kept_or_measured(
 
 
 def _write(path: Path, entries: dict[str, dict]) -> None:
-    newest = sorted(entries.items(), key=lambda kv: -float(kv[1].get("measured", 0)))[:MAX_ENTRIES]
-    entries = dict(newest)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pass_costs.")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(entries, fh, indent=1)
-        os.replace(tmp, path)
-    except OSError as exc:
+    if (exc := kept.write(path, entries)) is not None:
         warnings.warn(f"could not keep the pass-cost measurements in {path} ({exc}); they will be "
                       "measured again at the next start", RuntimeWarning, stacklevel=2)
