@@ -1,9 +1,9 @@
 """Quantized linear kernels: one model pass worth of matmuls on a real GGUF model.
 
-    .venv/bin/python benchmarks/kernels.py                       # qwen-1.5b, rows 1 2 4 8 16 32, 2 threads
-    .venv/bin/python benchmarks/kernels.py --model qwen-0.5b --rows 1 8 --repeats 5 --no-bf16
-    .venv/bin/python benchmarks/kernels.py --modes q8 --out /tmp/k.json   # one mode only
-    .venv/bin/python benchmarks/kernels.py --modes q8-multi --isas avx2,avx512vnni --no-bf16  # both builds
+    .venv/bin/python benchmarks/linear_kernels.py                       # qwen-1.5b, rows 1 2 4 8 16 32, 2 threads
+    .venv/bin/python benchmarks/linear_kernels.py --model qwen-0.5b --rows 1 8 --repeats 5 --no-bf16
+    .venv/bin/python benchmarks/linear_kernels.py --modes q8 --out /tmp/k.json   # one mode only
+    .venv/bin/python benchmarks/linear_kernels.py --modes q8-multi --isas avx2,avx512vnni --no-bf16  # both builds
 
 A "model pass" is every linear layer of the real model (attn q/k/v/o, ffn gate/up/down of all
 blocks, and output.weight) applied to T rows, with the real tensors' GGML types and shapes read
