@@ -346,6 +346,7 @@ class Engine:
 
     def _verify(self, req: _Request, draft: Draft) -> tuple[Verdict, torch.Tensor, torch.Tensor | None]:
         start = self.cache.length
+        draft = draft.to(self.device)
         ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), draft.tokens])  # [k+1]
         logits, captured = self._run(req, ids)  # [k+1, V]
         processed = self._process(req, logits, draft)

@@ -148,8 +148,9 @@ def process_logits(
     out = logits.float()  # [N, V]
     if params.logit_bias:
         out = _apply_logit_bias(out, params.logit_bias)
-    if params.needs_history:
-        out = _apply_penalties(out, params, prompt_ids, output_ids, draft)
+    if params.needs_history:  # the ids may live on the host while the logits are on a GPU
+        on_device = None if draft is None else draft.to(out.device)
+        out = _apply_penalties(out, params, prompt_ids.to(out.device), output_ids.to(out.device), on_device)
     if params.greedy:
         return out
     if params.temperature != 1.0:

@@ -179,7 +179,7 @@ class DraftModelDrafter:
         if k <= 0:
             return Draft(tokens=_EMPTY)
         self._base = self.cache.length
-        ids = torch.tensor(self.pending, dtype=torch.long)
+        ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
         tokens, qs = [], []
         for _ in range(k):
             t0 = time.perf_counter()

@@ -51,6 +51,12 @@ class Draft:
         """Number of drafted tokens."""
         return int(self.tokens.shape[0])
 
+    def to(self, device: torch.device) -> Draft:
+        """This draft on ``device`` (drafters propose on the host; the target may run on a GPU)."""
+        if self.tokens.device == device and (self.probs is None or self.probs.device == device):
+            return self
+        return Draft(self.tokens.to(device), None if self.probs is None else self.probs.to(device))
+
 
 @dataclass(frozen=True)
 class Verdict:
