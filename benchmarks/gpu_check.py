@@ -9,6 +9,8 @@ Sections:
   correctness  tiny random models (llama, qwen2, qwen3 and the MoE types quickdraft has):
                CUDA fp32 logits vs CPU fp32 logits; greedy output of plain vs n-gram vs draft-model
                speculative decoding on the device (must be identical: lossless)
+  api          LLM(...).generate on the device: greedy identical across draft none / ngram / a draft
+               model, streaming == generate, seeded sampling with penalties repeats itself
   ggml         GGUF blocks (Q4_0/Q8_0/Q4_K/Q6_K...) kept quantized on the device (torch reference
                path) vs the CPU kernels / reference on the same random weights
   passes       a random model with Qwen2.5-Coder-1.5B's shape in bf16: time of 1..64-row passes
@@ -118,6 +120,34 @@ def check_correctness(device: str, quick: bool) -> dict[str, Any]:
                 "ngram_identical": ngram == plain, "ngram_tau": tau_ngram,
                 "draft_model_identical": drafted == plain, "draft_model_tau": tau_draft,
             }
+    return out
+
+
+def check_api(device: str, quick: bool) -> dict[str, Any]:
+    """The user's path on the device: LLM(...).generate with draft none / ngram / a draft model, greedy
+    (all identical) and seeded sampling with penalties (runs; same seed, same drafter: same answer)."""
+    from tiny import make_tiny_hf_model
+
+    from quickdraft.api import LLM
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = str(make_tiny_hf_model(Path(tmp), "qwen2"))
+        draft_folder = str(make_tiny_hf_model(Path(tmp), "qwen2", seed=1, num_hidden_layers=1, name="qwen2-draft"))
+        prompt = "def fibonacci(n): return fibonacci(n - 1) + fibonacci(n - 2)"
+        greedy_params = SamplingParams(max_tokens=40, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7,
+                                 repetition_penalty=1.1, frequency_penalty=0.2)
+        answers: dict[str, Any] = {}
+        for name, draft in (("none", "none"), ("ngram", "ngram"), ("draft_model", draft_folder)):
+            llm = LLM(folder, draft=draft, dtype="float32", device=device, max_context=256)
+            answers[name] = llm.generate(prompt, greedy_params)[0].token_ids
+            first = llm.generate(prompt, sampled)[0].token_ids
+            again = llm.generate(prompt, sampled)[0].token_ids
+            streamed = [t for step in llm.stream(prompt, greedy_params) for t in step.token_ids]
+            out[name] = {"greedy_identical_to_none": answers[name] == answers["none"],
+                         "stream_identical": streamed == answers[name],
+                         "sampled_tokens": len(first), "same_seed_same_answer": first == again}
     return out
 
 
@@ -312,7 +342,7 @@ def check_compiled(device: str, quick: bool) -> dict[str, Any]:
     return check_passes(device, quick, compile_model=True)
 
 
-SECTIONS = {"correctness": check_correctness, "ggml": check_ggml, "passes": check_passes, "graphs": check_graphs,
+SECTIONS = {"correctness": check_correctness, "api": check_api, "ggml": check_ggml, "passes": check_passes, "graphs": check_graphs,
             "fp8": check_fp8, "tp": check_tp, "compiled": check_compiled}
 
 
