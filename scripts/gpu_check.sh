@@ -15,4 +15,4 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-timeout 460 python3 benchmarks/gpu_check.py --out "${OUT:-.}/gpu_check.json"
+timeout 460 python3 benchmarks/gpu_check.py --out "${OUT:-.}/gpu_check.json" "$@"

@@ -102,7 +102,7 @@ class DraftModelDrafter:
         self.target_vocab = target_vocab
         self.pending: list[int] = []
         self.params = SamplingParams()
-        self.generator = make_generator(0)
+        self.generator = make_generator(0, model.device)
         self._base = 0  # cache length before the last proposal
         self.offset = 0  # position - cache slot: tokens skipped by capped catch-ups
         self._proposed: Tensor | None = None
@@ -112,7 +112,7 @@ class DraftModelDrafter:
         # q must be shaped like p except for penalties (they need history the draft lacks; any q
         # stays lossless, a closer one just accepts more).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-        self.generator = make_generator(None if params.seed is None else params.seed + 1)
+        self.generator = make_generator(None if params.seed is None else params.seed + 1, self.model.device)
         if self.vocab is not None:
             self.vocab.apply(self.model, prompt_ids)
         ids = prompt_ids.tolist()
