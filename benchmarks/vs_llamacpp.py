@@ -487,16 +487,22 @@ def measure_passes(
     model.prefill(torch.tensor(ctx), cache)  # chunked, as the engine prefills
     new_t = torch.tensor(new)
 
+    # Each timed pass follows an untimed one of the same size: decode and verification run passes
+    # back to back, and the first pass after a pause (settle) also pays for waking the sleeping
+    # threads, 10-15% of a 1-row pass here (measured 2026-12-04; it made 1-row passes look slower
+    # than 2-row ones).
     def qd_pass(r: int) -> float:
-        t0 = time.perf_counter()
-        model(new_t[:r], cache)  # logits for all r rows, like a verification pass
-        dt = time.perf_counter() - t0
-        cache.truncate(context)
+        dt = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            model(new_t[:r], cache)  # logits for all r rows, like a verification pass
+            dt = time.perf_counter() - t0
+            cache.truncate(context)
         return dt
 
     def lc_pass(r: int) -> float:
-        reply = worker.request("pass_times", context=ctx, tokens=new, rows=[r], repeats=1)
-        return float(reply["seconds"][str(r)][0])
+        reply = worker.request("pass_times", context=ctx, tokens=new, rows=[r], repeats=2)
+        return float(reply["seconds"][str(r)][-1])
 
     engines: dict[str, Callable[[int], float]] = {LLAMACPP: lc_pass, "quickdraft": qd_pass}
     for f in engines.values():  # warm-up: first-call allocations, page cache, kernel builds
