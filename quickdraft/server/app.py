@@ -513,35 +513,25 @@ def _ids() -> tuple[str, int]:
     return uuid.uuid4().hex, int(time.time())
 
 
-def _chat_events(
-    server: _Server, job: Job, include_usage: bool, prepared: _Prepared
-) -> AsyncIterator[str]:
+def _chat_chunks(server: _Server, job: Job, prepared: _Prepared) -> AsyncIterator[p.ChatCompletionChunk]:
+    """The streamed chat completion as chunk objects: the role first, then content (and logprobs)
+    as generated, each tool call's id and name then its arguments, and a last chunk with the
+    finish reason and usage. The Responses and Messages APIs translate these into their events."""
     rid, created = _ids()
 
     def chunk(
-        delta: p.Delta | None,
-        logprobs: p.ChatLogprobs | None = None,
-        finish: str | None = None,
-        usage: p.Usage | None = None,
-    ) -> str:
-        choices = (
-            []
-            if delta is None
-            else [p.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)]
-        )
-        return _event(
-            p.ChatCompletionChunk(
-                id=f"chatcmpl-{rid}",
-                created=created,
-                model=server.name,
-                system_fingerprint=FINGERPRINT,
-                choices=choices,
-                usage=usage,
-            ),
-            usage_key=include_usage or usage is not None,
+        delta: p.Delta, logprobs: p.ChatLogprobs | None = None, finish: str | None = None, usage: p.Usage | None = None
+    ) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(
+            id=f"chatcmpl-{rid}",
+            created=created,
+            model=server.name,
+            system_fingerprint=FINGERPRINT,
+            choices=[p.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)],
+            usage=usage,
         )
 
-    async def events() -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
         yield chunk(p.Delta(role="assistant", content=""))
         last = None
         calls = _CallText(server, prepared) if prepared.tools is not None else None
@@ -562,11 +552,22 @@ def _chat_events(
                 n_calls += 1
         if last is None or last.finish_reason is None:
             raise QuickdraftError("the generation was cut short (the server is shutting down)")
-        usage = _usage(last.stats)
-        finish = _finish_reason(last.finish_reason, n_calls)
-        yield chunk(p.Delta(), finish=finish, usage=usage)
-        if include_usage:
-            yield chunk(None, usage=usage)  # OpenAI's stream_options.include_usage chunk
+        yield chunk(p.Delta(), finish=_finish_reason(last.finish_reason, n_calls), usage=_usage(last.stats))
+
+    return chunks()
+
+
+def _chat_events(
+    server: _Server, job: Job, include_usage: bool, prepared: _Prepared
+) -> AsyncIterator[str]:
+    """The chat chunks as OpenAI's server-sent events, usage on the last one (and, under
+    stream_options.include_usage, a usage-only chunk after it), then [DONE]."""
+
+    async def events() -> AsyncIterator[str]:
+        async for chunk in _chat_chunks(server, job, prepared):
+            yield _event(chunk, usage_key=include_usage or chunk.usage is not None)
+            if chunk.usage is not None and include_usage:
+                yield _event(chunk.model_copy(update={"choices": []}))  # OpenAI's include_usage chunk
         yield _DONE
 
     return _guarded(job, events)
