@@ -20,6 +20,7 @@ whichever way its sequence was cut into passes, and a warm request equals a cold
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -37,10 +38,9 @@ from quickdraft.prefix_cache import PrefixCache, as_ids
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
-    make_generator,
     probs_from_logits,
     process_logits,
-    sample_tokens,
+    sample_at,
 )
 from quickdraft.speculative.base import Drafter, capture_layers_of
 from quickdraft.speculative.tree import (
@@ -49,9 +49,8 @@ from quickdraft.speculative.tree import (
     tree_mask,
     tree_positions,
     verify_tree_greedy,
-    verify_tree_sampled,
 )
-from quickdraft.speculative.verify import Draft, Verdict, verify_greedy, verify_sampled
+from quickdraft.speculative.verify import Draft, Verdict, verify_greedy
 from quickdraft.stopping import StopChecker
 from quickdraft.tokenizer import Tokenizer
 
@@ -143,8 +142,7 @@ class StepOutput:
 class _Request:
     prompt: torch.Tensor  # [P] long
     prompt_ids: np.ndarray  # [P] int64, the same ids on the host (prefix matching)
-    params: SamplingParams
-    generator: torch.Generator
+    params: SamplingParams  # a sampled request's params always carry a seed (drawn when not given)
     stop: StopChecker
     stats: RequestStats
     constraint: Constraint | None = None
@@ -260,11 +258,13 @@ class Engine:
             )
         if params.max_tokens > room:  # finish with "length" where the context ends
             params = dataclasses.replace(params, max_tokens=room)
+        if params.seed is None and not params.greedy:  # drafters sample with the same seed
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         ids = as_ids(list(prompt_ids))
         prompt = torch.from_numpy(ids).to(self.device)
         stats = RequestStats(drafter=getattr(drafter, "name", "none"), prompt_tokens=n, t_start=time.perf_counter())
         stop = StopChecker(self.tokenizer, params, prompt_ids)
-        return _Request(prompt, ids, params, make_generator(params.seed, self.device), stop, stats)
+        return _Request(prompt, ids, params, stop, stats)
 
     def _capture_layers(self, drafter: Drafter | None) -> tuple[int, ...]:
         """The drafter's feature layers, checked against the target (0..L, L = final norm input)."""
@@ -316,11 +316,7 @@ class Engine:
             hidden = self._features(req, captured, None)
             if hidden is not None:
                 drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
-        processed = self._process(req, logits, _NO_DRAFT)
-        if req.params.greedy:
-            token = greedy_tokens(processed)  # [1]
-        else:
-            token = sample_tokens(probs_from_logits(processed), req.generator)
+        token = self._choose(req, self._process(req, logits, _NO_DRAFT), [len(req.prompt_ids)])  # [1]
         req.stats.t_first = time.perf_counter()
         return token, logits
 
@@ -337,6 +333,17 @@ class Engine:
             return logits, parts[0]
         return logits, [torch.cat(rows) for rows in zip(*parts, strict=True)]
 
+    @staticmethod
+    def _choose(req: _Request, processed: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """The token plain decoding picks at each row's sequence position: the argmax, or a draw
+        whose random numbers depend on (seed, position) alone. A step keeps the drafted tokens
+        equal to these choices and emits the choice at the first one that differs, so its output
+        is exactly plain decoding's, greedy or seeded, under every drafter and k."""
+        if req.params.greedy:
+            return greedy_tokens(processed)
+        assert req.params.seed is not None  # _start draws one
+        return sample_at(probs_from_logits(processed), req.params.seed, positions)
+
     def _process(self, req: _Request, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The distribution to pick from at each row: constraint mask, then sampling transforms."""
         if req.constraint is not None:
@@ -349,11 +356,8 @@ class Engine:
         draft = draft.to(self.device)
         ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), draft.tokens])  # [k+1]
         logits, captured = self._run(req, ids)  # [k+1, V]
-        processed = self._process(req, logits, draft)
-        if req.params.greedy:
-            verdict = verify_greedy(greedy_tokens(processed), draft)
-        else:
-            verdict = verify_sampled(probs_from_logits(processed), draft, req.generator)
+        chosen = self._choose(req, self._process(req, logits, draft), range(start + 1, start + draft.k + 2))
+        verdict = verify_greedy(chosen, draft)
         self.cache.truncate(start + 1 + verdict.num_accepted)  # keep last token + accepted drafts
         kept = torch.arange(verdict.num_accepted + 1, device=self.device)
         return verdict, logits, self._features(req, captured, kept)
@@ -366,11 +370,8 @@ class Engine:
         positions = tree_positions(start, tree, self.device)  # [N+1]
         mask = tree_mask(start, tree, self.device)  # [N+1, start+N+1]
         logits, captured = self._run(req, ids, positions=positions, mask=mask)  # [N+1, V]
-        processed = self._process_tree(req, logits, tree)
-        if req.params.greedy:
-            verdict = verify_tree_greedy(greedy_tokens(processed), tree)
-        else:
-            verdict = verify_tree_sampled(probs_from_logits(processed), tree, req.generator)
+        chosen = self._choose(req, self._process_tree(req, logits, tree), (positions + 1).tolist())
+        verdict = verify_tree_greedy(chosen, tree)
         rows = verdict.rows.to(self.device)  # [n+1]: the root, then the accepted path
         self.cache.compact(start, rows)
         return verdict, logits.index_select(0, rows), self._features(req, captured, rows)

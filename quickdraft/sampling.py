@@ -22,6 +22,7 @@ Filtered entries become ``-inf``. Every filter keeps at least the most likely to
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -263,6 +264,37 @@ def greedy_tokens(processed: Tensor) -> Tensor:  # [N, V] -> [N] long
     """Argmax per row. Ties go to the lowest token id: torch.argmax documents that it returns the
     first maximal index, which keeps greedy output identical across plain and speculative paths."""
     return processed.argmax(dim=-1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the random numbers that choose the token at sequence ``position`` (SplitMix64 of
+    the request's seed and the position, 63 bits: what ``Generator.manual_seed`` takes)."""
+    z = ((seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def sample_at(probs: Tensor, seed: int, positions: Sequence[int]) -> Tensor:  # [N, V] -> [N] long
+    """Draw row i's token with random numbers that depend on (``seed``, ``positions[i]``) alone.
+
+    The exponential race of :func:`sample_tokens`, with each row's exponentials from a generator
+    seeded by :func:`position_seed`. Plain decoding and every speculative step therefore pick the
+    same token at a position from the same distribution p: a verification accepts a drafted token
+    exactly when it equals this choice, so a seed gives one answer under every drafter and k.
+    """
+    if len(positions) != probs.shape[0]:
+        raise ValueError(f"sample_at needs one position per row: {probs.shape[0]} rows, {len(positions)} positions")
+    generator = torch.Generator(device=probs.device)
+    race = torch.empty_like(probs, dtype=torch.float32)  # [N, V]
+    for row, position in enumerate(positions):
+        generator.manual_seed(position_seed(seed, position))
+        race[row].exponential_(1.0, generator=generator)
+    race.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs.float() / race).argmax(dim=-1)
 
 
 def sample_tokens(probs: Tensor, generator: torch.Generator) -> Tensor:  # [N, V] -> [N] long

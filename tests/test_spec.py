@@ -1141,6 +1141,64 @@ def test_seeded_speculative_sampling_reproduces(
         assert other.ids != first.ids
 
 
+SEEDED = [
+    {"temperature": 0.3, "seed": 1},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 2},
+    {"temperature": 1.0, "top_k": 20, "seed": 3},
+    {"temperature": 1.5, "min_p": 0.05, "seed": 2**63 + 5},
+    {"temperature": 1.0, "repetition_penalty": 1.2, "seed": -7},
+]
+
+
+@pytest.mark.parametrize("params", SEEDED, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "coin"])
+def test_seeded_sampling_is_plain_sampling_under_scripted_drafts(sampler: LoadedModel, params: dict, kind: str) -> None:
+    """A seed means one answer: the scripted drafters propose plain seeded sampling's own output
+    (right, wrong, partly right, at random); the engine must emit exactly that output and accept
+    exactly the right prefixes (ScriptedDrafter checks both on every commit)."""
+    case = make_case(sampler, TINY_PROMPT, 20, **params)
+    assert len(set(case.truth)) > 3  # sampled, not a constant
+    for k in (1, 3):
+        check_scripted(case, kind, k)
+
+
+@pytest.mark.parametrize("params", SEEDED[1:3], ids=["t0.7", "t1.0"])
+def test_seeded_sampling_is_plain_sampling_under_every_drafter(
+    sampler: LoadedModel, sampler_draft: LoadedModel, params: dict
+) -> None:
+    """n-gram lookup, a sampling draft model (coupled to the target's random numbers) and a tree of
+    siblings, at several k: token-identical to --draft none with the same seed, and drafts get accepted."""
+    prompt = sampler.tokenizer.encode(TINY_PROMPT)
+    run = dict(max_tokens=24, ignore_eos=True, **params)
+    plain = generate(sampler, prompt, **run)
+    accepted = 0
+    makers: list[Callable[[], Drafter]] = [
+        lambda: NGramDrafter(min_ngram=1),
+        lambda: DraftModelDrafter(sampler_draft.model, sampler.config.vocab_size),
+        lambda: DraftModelDrafter(sampler_draft.model, sampler.config.vocab_size, stop_below=0.5),
+        lambda: TreeOfSiblings([plain.ids[1], plain.ids[2]]),
+    ]
+    for make in makers:
+        for k in (1, 2, 4):
+            got = generate(sampler, prompt, make(), k, **run)
+            assert got.ids == plain.ids, f"{make().name} k={k}"
+            accepted += got.stats.accepted
+    assert accepted > 0
+
+
+def test_coupled_draft_model_accepts_like_its_overlap(sampler: LoadedModel) -> None:
+    """The draft model draws with the target's random numbers: a draft that IS the target proposes
+    the target's own choices, so every drafted token is accepted (rejection sampling would accept
+    them too, but only in distribution, not the same tokens)."""
+    prompt = sampler.tokenizer.encode(TINY_PROMPT)
+    run = dict(max_tokens=24, ignore_eos=True, temperature=1.0, seed=11)
+    plain = generate(sampler, prompt, **run)
+    itself = DraftModelDrafter(sampler.model, sampler.config.vocab_size)  # its own cache, the same weights
+    got = generate(sampler, prompt, itself, 3, **run)
+    assert got.ids == plain.ids
+    assert got.stats.drafted > 0 and got.stats.accepted == got.stats.drafted
+
+
 class TreeOfSiblings:
     """Proposes root children only (a tree of siblings): fixed tokens (deterministic, q one-hot),
     or, with ``q``, tokens drawn i.i.d. from q with the drafter's own seeded generator."""

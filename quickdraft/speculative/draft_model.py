@@ -43,10 +43,9 @@ from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
-    make_generator,
     probs_from_logits,
     process_logits,
-    sample_tokens,
+    sample_at,
 )
 from quickdraft.speculative.verify import Draft
 from quickdraft.speculative.vocab import DraftVocab
@@ -102,7 +101,7 @@ class DraftModelDrafter:
         self.target_vocab = target_vocab
         self.pending: list[int] = []
         self.params = SamplingParams()
-        self.generator = make_generator(0, model.device)
+        self.length = 0  # tokens of the sequence so far (prompt + committed output)
         self._base = 0  # cache length before the last proposal
         self.offset = 0  # position - cache slot: tokens skipped by capped catch-ups
         self._proposed: Tensor | None = None
@@ -112,7 +111,7 @@ class DraftModelDrafter:
         # q must be shaped like p except for penalties (they need history the draft lacks; any q
         # stays lossless, a closer one just accepts more).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-        self.generator = make_generator(None if params.seed is None else params.seed + 1, self.model.device)
+        self.length = int(prompt_ids.shape[0])
         if self.vocab is not None:
             self.vocab.apply(self.model, prompt_ids)
         ids = prompt_ids.tolist()
@@ -180,7 +179,8 @@ class DraftModelDrafter:
             return Draft(tokens=_EMPTY)
         self._base = self.cache.length
         ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
-        tokens, qs = [], []
+        tokens: list[Tensor] = []
+        qs: list[Tensor] = []
         for _ in range(k):
             t0 = time.perf_counter()
             start = self.cache.length + self.offset
@@ -190,7 +190,7 @@ class DraftModelDrafter:
             self.slot_positions.extend(range(start, start + ids.shape[0]))
             if ids.shape[0] == 1:
                 self.last_token_seconds = time.perf_counter() - t0
-            tok, q = self._pick(logits)
+            tok, q = self._pick(logits, self.length + len(tokens))
             tokens.append(tok)
             if q is not None:
                 qs.append(q)
@@ -201,13 +201,17 @@ class DraftModelDrafter:
         self._proposed = drafted
         return Draft(tokens=drafted, probs=torch.cat(qs) if qs else None)
 
-    def _pick(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _pick(self, logits: Tensor, position: int) -> tuple[Tensor, Tensor | None]:
+        """The draft's token for sequence ``position``: its argmax, or for a sampled request a draw
+        with the target's random numbers for that position (coupled: a q close to p proposes the
+        token the target will pick)."""
         logits = _fit_vocab(logits, self.target_vocab)
         processed = process_logits(logits, self.params, _EMPTY, _EMPTY)
         if self.params.greedy:
             return greedy_tokens(processed), None
         q = probs_from_logits(processed)  # [1, V]
-        return sample_tokens(q, self.generator), q
+        assert self.params.seed is not None  # the engine gives sampled requests a seed
+        return sample_at(q, self.params.seed, [position]), q
 
     def _confidence(self, logits: Tensor, q: Tensor | None) -> float:
         """The draft's probability of its own pick: the top of q (sampling: the distribution it
@@ -219,6 +223,7 @@ class DraftModelDrafter:
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         emitted = [int(t) for t in tokens.tolist()]
+        self.length += len(emitted)
         if self._proposed is None:  # not asked this step: read everything next time
             self.pending.extend(emitted)
             return

@@ -59,10 +59,9 @@ from quickdraft.models.layers import prefill_chunks
 from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
-    make_generator,
     probs_from_logits,
     process_logits,
-    sample_tokens,
+    sample_at,
 )
 from quickdraft.speculative.eagle3.head import Eagle3Head
 from quickdraft.speculative.policy import TargetCost
@@ -169,7 +168,6 @@ class Eagle3Drafter:
         self._to_draft = index
         self._obs, self._pred = alpha, 1.0  # calibration EMAs: alpha = obs / pred
         self.params = SamplingParams()
-        self.generator = make_generator(0, head.device)
         self.tokens: list[int] = []
         self.fed = 0  # features held: positions 0..fed-1
         self.features: Tensor | None = None  # [capacity, n * Ht], rows 0..fed-1 valid
@@ -188,7 +186,6 @@ class Eagle3Drafter:
         (at most :meth:`covered`), the engine feeds the rest."""
         # q only has to be shaped like p without penalties (any q keeps verification lossless).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-        self.generator = make_generator(None if params.seed is None else params.seed + 2, self.head.device)
         tokens = [int(t) for t in prompt_ids.tolist()]
         if cached > self.covered(tokens):
             raise ValueError(f"EAGLE-3 drafter holds features for {self.covered(tokens)} prompt tokens, not {cached}")
@@ -320,7 +317,7 @@ class Eagle3Drafter:
         path_conf, used = 1.0, 0
         sampled = not self.params.greedy
         while len(tokens) < limit:
-            token, q, p_tok = self._pick(logits)
+            token, q, p_tok = self._pick(logits, len(self.tokens) + len(tokens))
             path_conf *= p_tok
             tokens.append(token)
             conf.append(path_conf)
@@ -342,8 +339,9 @@ class Eagle3Drafter:
         probs = torch.cat(qs[:used]) if sampled and used else None
         return Draft(tokens=ids, probs=probs), proposal
 
-    def _pick(self, logits: Tensor) -> tuple[int, Tensor | None, float]:
-        """(target token, q [1, V] for a sampled request or None, the token's draft probability)."""
+    def _pick(self, logits: Tensor, position: int) -> tuple[int, Tensor | None, float]:
+        """(target token, q [1, V] for a sampled request or None, the token's draft probability).
+        A sampled token is drawn with the target's random numbers for sequence ``position``."""
         if self.params.greedy:
             probs = torch.softmax(logits[-1].float(), dim=-1)
             best = int(probs.argmax())
@@ -351,7 +349,8 @@ class Eagle3Drafter:
         full = logits.new_full((1, self.vocab), float("-inf"))
         full[0, self.head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))] = logits[-1]
         q = probs_from_logits(process_logits(full, self.params, _EMPTY, _EMPTY))
-        token = int(sample_tokens(q, self.generator)[0])
+        assert self.params.seed is not None  # the engine gives sampled requests a seed
+        token = int(sample_at(q, self.params.seed, [position])[0])
         return token, q, float(q[0, token])
 
     # ------------------------------------------------------------------ trees
