@@ -18,14 +18,7 @@ import torch
 
 from quickdraft.cli.common import add_model_args, info, load_llm
 from quickdraft.roofline import roofline
-from quickdraft.sampling import (
-    SamplingParams,
-    make_generator,
-    probs_from_logits,
-    process_logits,
-    sample_tokens,
-)
-from quickdraft.speculative.verify import verify_sampled_batch
+from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits, sample_at
 
 PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, then a version with memoization.",
@@ -38,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=None, help="prompt to test (repeatable)")
     p.add_argument("--max-tokens", "-n", type=int, default=64)
-    p.add_argument("--trials", type=int, default=20000, help="rejection-sampler trials for the distribution check")
+    p.add_argument("--trials", type=int, default=20000, help="draws for the sampling distribution check")
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -53,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"drafter {d.name}: head variant: {d.variant}", flush=True)
     prompts = args.prompt or list(PROMPTS)
     ok = all([_greedy_check(llm, p, args.max_tokens) for p in prompts])
+    ok = _seeded_check(llm, prompts[0], args.max_tokens) and ok
     ok = _distribution_check(llm, prompts[0], args.trials) and ok
     print("selftest: PASS (lossless)" if ok else "selftest: FAIL", flush=True)
     return 0 if ok else 1
@@ -92,40 +86,42 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def _seeded_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no-untyped-def]
+    """Seeded sampling: every drafter's answer is plain sampling's, token for token."""
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    params = SamplingParams(temperature=0.8, top_k=40, seed=1234, max_tokens=max_tokens, ignore_eos=True)
+    plain = [t for s in llm.engine.generate(ids, params) for t in s.token_ids]
+    ok = True
+    for label, drafter, k in _drafters(llm):
+        steps = list(llm.engine.generate(ids, params, drafter, k))
+        spec = [t for s in steps for t in s.token_ids]
+        stats = steps[-1].stats
+        same = spec == plain
+        ok &= same
+        where = "" if same else f" first difference at token {_first_diff(plain, spec)}"
+        print(f"seeded  {label:22s} {'identical' if same else 'MISMATCH'} over {len(plain)} tokens "
+              f"(drafted {stats.drafted}, accepted {stats.accepted}, tau {stats.tau:.2f}){where}", flush=True)
+    return ok
+
+
 def _distribution_check(llm, prompt: str, trials: int) -> bool:  # type: ignore[no-untyped-def]
-    """Rejection-sample the first token many times from the real p and q; compare with p."""
+    """The position-keyed draw follows p: the first token drawn at ``trials`` positions (each with
+    its own random numbers) against the real p, next to torch's own sampler."""
     params = SamplingParams(temperature=0.8, top_k=40, max_tokens=2)
     ids = torch.tensor(llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]))
     model = llm.target.model
     logits, _ = model(ids, model.new_cache(), num_logits=1)
     empty = torch.empty(0, dtype=torch.long)
     p = probs_from_logits(process_logits(logits, params, ids, empty))[0]  # [V]
-    q = _draft_q(llm, ids, params, p)  # [V]
-    support = torch.nonzero((p > 0) | (q > 0)).squeeze(1)  # exact: outside it p = q = 0
-    ps, qs = p[support], q[support]
-    gen = make_generator(1234)
-    drafted = sample_tokens(qs.expand(trials, -1), gen)  # [N]
-    p_rows = torch.stack([ps, ps]).expand(trials, 2, -1)  # k = 1; row 1 (bonus) is not checked here
-    n, last = verify_sampled_batch(p_rows, qs.expand(trials, 1, -1), drafted.unsqueeze(1), gen)
-    first = torch.where(n > 0, drafted, last)  # the first emitted token
-    direct = sample_tokens(ps.expand(trials, -1), gen)
-    tv_spec, tv_direct = _tv(first, ps), _tv(direct, ps)
-    ok = tv_spec <= 2 * tv_direct + 0.01
-    print(f"sampling first-token TV to p: speculative {tv_spec:.4f}, direct sampling {tv_direct:.4f} "
+    support = torch.nonzero(p > 0).squeeze(1)  # exact: outside it p = 0 and nothing is drawn
+    ps = p[support]
+    keyed = sample_at(ps.expand(trials, -1), 1234, range(trials))  # [N]
+    direct = torch.multinomial(ps, trials, replacement=True, generator=torch.Generator().manual_seed(1234))
+    tv_keyed, tv_direct = _tv(keyed, ps), _tv(direct, ps)
+    ok = tv_keyed <= 2 * tv_direct + 0.01
+    print(f"sampling first-token TV to p: position-keyed {tv_keyed:.4f}, torch.multinomial {tv_direct:.4f} "
           f"over {trials} trials ({len(support)} tokens in play): {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok
-
-
-def _draft_q(llm, ids: torch.Tensor, params: SamplingParams, p: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The configured draft model's q at the same position, or one-hot on p's mode (n-gram-like)."""
-    for c in getattr(llm.drafter, "candidates", [getattr(llm, "drafter", None)]):
-        model = getattr(getattr(c, "drafter", c), "model", None)
-        if model is not None:
-            logits, _ = model(ids, model.new_cache(), num_logits=1)
-            logits = logits[:, : p.shape[0]]
-            empty = torch.empty(0, dtype=torch.long)
-            return probs_from_logits(process_logits(logits, params, ids, empty))[0]
-    return torch.nn.functional.one_hot(p.argmax(), p.shape[0]).float()
 
 
 def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
