@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quickdraft import __version__
 from quickdraft.constraints import Constraint
+from quickdraft.detokenizer import IncrementalDetokenizer
 from quickdraft.engine import RequestStats, StepOutput
 from quickdraft.engine import TokenLogprob as EngineLogprob
 from quickdraft.errors import QuickdraftError
@@ -52,7 +53,6 @@ from quickdraft.server.tools import (
     template_renders_tools,
 )
 from quickdraft.server.worker import EngineWorker, Job
-from quickdraft.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from quickdraft.api import LLM
