@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from quickdraft.detokenizer import IncrementalDetokenizer
 from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
+from quickdraft.tokenizer import Tokenizer
 
 
 class StopChecker:

@@ -25,6 +25,7 @@ from tiny import hf_to_gguf, load_reference, make_spm_gguf, make_tiny_hf_model, 
 
 from quickdraft import zoo
 from quickdraft.config import ModelConfig
+from quickdraft.detokenizer import IncrementalDetokenizer
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading import gguf as gguf_io
@@ -33,7 +34,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.gemma3 import CausalLM as GemmaLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
-from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
+from quickdraft.tokenizer import Tokenizer
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox!"
 LONG_TEXT = (

@@ -45,9 +45,14 @@ PERSON_SCHEMA = {
 }
 
 
+ALIAS = "smol-alias"  # spec also answers to this name; responses report NAME, the first
+
+
 @pytest.fixture(scope="module")
 def servers(smollm2_gguf: Path) -> Iterator[tuple[Server, Server]]:
-    spec = start_server(smollm2_gguf, "--draft", "ngram", "--num-draft", "4")
+    spec = start_server(
+        smollm2_gguf, "--draft", "ngram", "--num-draft", "4", "--served-model-name", ALIAS
+    )
     plain = start_server(smollm2_gguf, "--draft", "none", "--api-key", KEY)
     with running(spec, plain):
         yield spec, plain
@@ -78,7 +83,7 @@ def _chat(server: Server, key: str = "unused", **kw: Any) -> Any:
 
 
 def test_models_health_and_metrics(spec: Server) -> None:
-    assert [m.id for m in spec.client().models.list().data] == [NAME]
+    assert [m.id for m in spec.client().models.list().data] == [NAME, ALIAS]
     assert httpx.get(f"{spec.root}/health").json() == {"status": "ok"}
     text = httpx.get(f"{spec.root}/metrics").text
     for name in (
@@ -90,6 +95,37 @@ def test_models_health_and_metrics(spec: Server) -> None:
         "quickdraft_spec_tau",
     ):
         assert name in text
+
+
+def test_served_model_name_aliases(spec: Server) -> None:
+    client = spec.client()
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    resp = _chat(spec, model=ALIAS, max_tokens=1)
+    assert resp.model == NAME  # the first served name is the one reported
+    text = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1)
+    assert text.model == NAME
+    for route, body in (
+        ("chat/completions", {"model": "gpt-9", "messages": HAIKU}),
+        ("completions", {"model": "gpt-9", "prompt": "Hi"}),
+        ("models/gpt-9", None),
+    ):
+        r = httpx.post(f"{spec.url}/{route}", json=body) if body else httpx.get(f"{spec.url}/{route}")
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert f"`{NAME}`" in error["message"] and f"`{ALIAS}`" in error["message"]
+
+
+def test_unknown_route_lists_the_routes(spec: Server) -> None:
+    resp = httpx.post(f"{spec.url}/foo", json={}, timeout=30)
+    assert resp.status_code == 404
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "not_found"
+    message = error["message"]
+    assert message.startswith("no route POST /v1/foo; this server serves: ")
+    for route in ("GET /health", "GET /v1/models", "POST /v1/chat/completions",
+                  "POST /v1/completions", "GET /metrics"):
+        assert route in message
 
 
 def test_chat_stream_equals_whole_and_has_usage(spec: Server) -> None:
@@ -365,6 +401,11 @@ def test_bad_requests_get_openai_errors(spec: Server, body: Any, status: int, ne
 def test_wrong_method_says_which_are_allowed_and_openapi_documents_bodies(spec: Server) -> None:
     resp = httpx.get(f"{spec.url}/chat/completions", timeout=30)
     assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    error = resp.json()["error"]
+    assert error["code"] == "method_not_allowed" and "allowed: POST" in error["message"]
+    assert "GET" in error["message"] and "/v1/chat/completions" in error["message"]
+    resp = httpx.delete(f"{spec.url}/models", timeout=30)
+    assert resp.status_code == 405 and "allowed: GET" in resp.json()["error"]["message"]
     doc = httpx.get(f"{spec.root}/openapi.json", timeout=30).json()
     for route, model in (("chat/completions", "ChatCompletionRequest"),
                          ("completions", "CompletionRequest")):

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from quickdraft.detokenizer import IncrementalDetokenizer
 from quickdraft.errors import QuickdraftError
-from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
+from quickdraft.tokenizer import Tokenizer
 
 SAMPLES = [
     "",
@@ -172,7 +173,7 @@ def test_special_tokens(ours: Tokenizer) -> None:
 def test_fast_metadata_reader_matches_gguf_reader(gguf_path: Path) -> None:
     import gguf
 
-    from quickdraft.tokenizer import _read_gguf_metadata
+    from quickdraft.gguf_vocab import read_gguf_metadata
 
     reader = gguf.GGUFReader(str(gguf_path))
     expected = {
@@ -180,7 +181,7 @@ def test_fast_metadata_reader_matches_gguf_reader(gguf_path: Path) -> None:
         for k, f in reader.fields.items()
         if k.startswith(("tokenizer.", "general."))
     }
-    assert _read_gguf_metadata(gguf_path) == expected
+    assert read_gguf_metadata(gguf_path) == expected
 
 
 # ------------------------------------------------------------------ incremental detokenizing

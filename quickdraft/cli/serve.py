@@ -39,8 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--served-model-name",
+        action="extend",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: the --model argument)",
+        metavar="NAME",
+        help="the model name clients send; repeat it (or give several) for aliases, the first "
+        "being the name responses report (default: the --model argument)",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -68,18 +72,20 @@ def run(args: argparse.Namespace) -> int:
         raise QuickdraftError(f"--port must be in 0..65535, got {args.port}")
     sock = _bind(args.host, args.port)  # before loading: a busy port fails fast
     llm = load_llm(args, info)
-    name = args.served_model_name or args.model
+    names = list(dict.fromkeys(args.served_model_name or [args.model]))
+    name = names[0]
     if not args.api_key and not _is_loopback(args.host):
         info(
             f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it"
         )
-    app = create_app(llm, name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
+    app = create_app(llm, names, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     # The socket already listens: a client that connects now waits in the backlog until
     # uvicorn accepts, so the URL is usable as soon as it is printed.
-    print(f"quickdraft: serving {name} at {url}/v1", flush=True)
+    also = f" (also as {', '.join(names[1:])})" if len(names) > 1 else ""
+    print(f"quickdraft: serving {name} at {url}/v1{also}", flush=True)
     worker = app.state.worker
 
     class Server(uvicorn.Server):

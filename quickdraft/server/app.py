@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,10 +28,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quickdraft import __version__
 from quickdraft.constraints import Constraint
+from quickdraft.detokenizer import IncrementalDetokenizer
 from quickdraft.engine import RequestStats, StepOutput
 from quickdraft.engine import TokenLogprob as EngineLogprob
 from quickdraft.errors import QuickdraftError
@@ -51,7 +53,6 @@ from quickdraft.server.tools import (
     template_renders_tools,
 )
 from quickdraft.server.worker import EngineWorker, Job
-from quickdraft.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from quickdraft.api import LLM
@@ -69,7 +70,7 @@ class _Server:
     """What the routes share: the model, its queue, metrics and grammar compiler."""
 
     llm: LLM
-    name: str
+    names: tuple[str, ...]  # the served names (aliases); the first is reported in responses
     worker: EngineWorker
     metrics: ServerMetrics
     grammar: GrammarCompiler
@@ -81,11 +82,16 @@ class _Server:
     def context(self) -> int:
         return self.llm.engine.cache.max_len
 
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
     def check_model(self, model: str) -> None:
-        if model != self.name:
+        if model not in self.names:
+            served = ", ".join(f"`{n}`" for n in self.names)
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.name}`.",
+                f"The model `{model}` does not exist; this server serves {served}.",
                 param="model",
                 code="model_not_found",
             )
@@ -101,11 +107,18 @@ class _Prepared:
 
 
 def create_app(
-    llm: LLM, served_name: str, api_key: str | None = None, tool_call_parser: str = "auto"
+    llm: LLM,
+    served_name: str | Sequence[str],
+    api_key: str | None = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
-    """The app serving ``llm`` as model ``served_name``; with ``api_key``, every route but
-    /health needs ``Authorization: Bearer <api_key>``. ``tool_call_parser``: the tool-call
-    format (``auto`` = from the chat template, ``none`` = refuse tools)."""
+    """The app serving ``llm`` as model ``served_name`` (or several aliases, the first being
+    the name responses report); with ``api_key``, every route but /health needs
+    ``Authorization: Bearer <api_key>``. ``tool_call_parser``: the tool-call format (``auto`` =
+    from the chat template, ``none`` = refuse tools)."""
+    names = (served_name,) if isinstance(served_name, str) else tuple(dict.fromkeys(served_name))
+    if not names:
+        raise ValueError("create_app needs at least one served model name")
     metrics = ServerMetrics(llm.prefix_cache)
     worker = EngineWorker(llm.engine, llm.drafter, llm.num_draft, metrics)
     if tool_call_parser == "auto":
@@ -115,7 +128,7 @@ def create_app(
     else:
         tool_format = get_format(tool_call_parser)
     server = _Server(
-        llm, served_name, worker, metrics, GrammarCompiler(llm.tokenizer), tool_format,
+        llm, names, worker, metrics, GrammarCompiler(llm.tokenizer), tool_format,
         tool_call_parser,
     )
 
@@ -150,13 +163,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, ApiError)
         return _error_response(exc)
 
-    async def http_error(_request: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         code = "not_found" if exc.status_code == 404 else None
+        message = str(exc.detail)
+        headers = getattr(exc, "headers", None)  # 405: Allow
+        if exc.status_code == 404 and not _matches_a_route(request):
+            message = f"no route {request.method} {request.url.path}; this server serves: " + (
+                ", ".join(_route_list(request.app))
+            )
+        elif exc.status_code == 405:
+            code = "method_not_allowed"
+            allowed = (headers or {}).get("Allow", "")
+            message = f"method {request.method} is not allowed on {request.url.path}; allowed: {allowed}"
         return JSONResponse(
-            error_body(str(exc.detail), code=code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),  # 405: Allow
+            error_body(message, code=code), status_code=exc.status_code, headers=headers
         )
 
     async def validation_error(_request: Request, exc: Exception) -> Response:
@@ -171,6 +192,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
+
+
+def _route_list(app: Any) -> list[str]:
+    """Every HTTP route the app serves as "METHOD /path", in the order they were added."""
+    listed = []
+    for route in app.routes:
+        methods = getattr(route, "methods", None)
+        path = getattr(route, "path", None)
+        if methods and path:
+            listed += [f"{m} {path}" for m in sorted(methods) if m != "HEAD"]
+    return listed
+
+
+def _matches_a_route(request: Request) -> bool:
+    """Whether some route's path matches the request (then a 404 came from the route itself)."""
+    return any(
+        route.matches(request.scope)[0] != Match.NONE for route in request.app.router.routes
+    )
 
 
 class _ApiKeyMiddleware:
@@ -261,12 +300,12 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return p.ModelList(data=[_card(server)]).model_dump()
+        return p.ModelList(data=[_card(server, name) for name in server.names]).model_dump()
 
     @app.get("/v1/models/{model}")
     async def model(model: str) -> dict[str, Any]:
         server.check_model(model)
-        return _card(server).model_dump()
+        return _card(server, model).model_dump()
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(p.ChatCompletionRequest))
     async def chat(request: Request) -> Response:
@@ -292,8 +331,8 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         return JSONResponse(_completion_response(server, steps, echo).model_dump())
 
 
-def _card(server: _Server) -> p.ModelCard:
-    return p.ModelCard(id=server.name, created=server.created, max_model_len=server.context)
+def _card(server: _Server, name: str) -> p.ModelCard:
+    return p.ModelCard(id=name, created=server.created, max_model_len=server.context)
 
 
 def _submit(server: _Server, prepared: _Prepared) -> Job:
