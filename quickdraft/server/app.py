@@ -37,7 +37,7 @@ from quickdraft.engine import TokenLogprob as EngineLogprob
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import protocol as p
-from quickdraft.server.grammar import GrammarCompiler
+from quickdraft.server.grammar import ANY_JSON_OBJECT, GrammarCompiler
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.protocol import ApiError, error_body
 from quickdraft.server.tools import (
@@ -321,13 +321,6 @@ def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
     max_tokens = _max_tokens(server, len(ids), req.requested_max_tokens(), "messages")
     params = req.sampling_params(max_tokens, req.engine_logprobs(), _vocab(server))
     constraint = _tool_constraint(server, req, fmt) if fmt is not None else None
-    if constraint is not None and req.json_schema()[0]:
-        raise ApiError(
-            400,
-            "response_format cannot be combined with a forced or strict tool call; "
-            "drop one of them",
-            param="response_format",
-        )
     names = frozenset(t.function.name for t in req.tools or []) if fmt is not None else frozenset()
     return _Prepared(ids, params, constraint or _constraint(server, req), fmt, names)
 
@@ -364,12 +357,17 @@ def _tool_constraint(
     server: _Server, req: p.ChatCompletionRequest, fmt: ToolFormat
 ) -> Constraint | None:
     """The grammar of a forced call (tool_choice required or named), or of an answer whose
-    calls to strict functions must match their schemas; None when nothing is forced."""
+    calls to strict functions must match their schemas; None when nothing is forced.
+
+    With ``response_format`` (json_schema or json_object): a forced call ignores it (the answer
+    is calls only; response_format is for text answers, as OpenAI does); under ``auto`` the
+    answer is calls (strict ones per their schemas) or the JSON answer."""
     tools = req.tools or []
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
     forced = named is not None or choice == "required"
-    if not forced and not any(t.function.strict for t in tools):
+    structured, answer = req.json_schema()
+    if not forced and not structured and not any(t.function.strict for t in tools):
         return None
     functions = []
     for t in tools:
@@ -380,11 +378,24 @@ def _tool_constraint(
             schema = {"type": "object"}
         functions.append((t.function.name, schema))
     parallel = named is None and req.parallel_tool_calls is not False
-    grammar = forced_grammar(fmt, functions, parallel, not forced, server.grammar.marker)
+    json_answer = (answer or ANY_JSON_OBJECT) if structured and not forced else None
+    grammar = forced_grammar(
+        fmt, functions, parallel, not forced, server.grammar.marker, answer=json_answer
+    )
     try:
         return server.grammar.lark(grammar)
     except QuickdraftError as exc:
-        raise ApiError(400, f"the tools' parameter schemas are not usable: {exc}", param="tools") from None
+        error = exc
+    # Name the function whose schema fails (each alone), else blame the response_format.
+    for name, schema in functions:
+        try:
+            server.grammar.lark(forced_grammar(fmt, [(name, schema)], False, False, server.grammar.marker))
+        except QuickdraftError as exc:
+            raise ApiError(
+                400, f"the parameters schema of tool `{name}` is not usable: {exc}", param="tools"
+            ) from None
+    param = "response_format" if json_answer is not None else "tools"
+    raise ApiError(400, f"the tools' or response_format's schemas are not usable: {error}", param=param)
 
 
 def _prepare_completion(server: _Server, req: p.CompletionRequest) -> _Prepared:

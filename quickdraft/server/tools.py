@@ -248,7 +248,11 @@ class MistralFormat(ToolFormat):
         return Parsed(text[:first].rstrip(), calls)
 
     def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
-        items = {"type": "array", "items": json.loads(schema), "minItems": 1}
+        call = json.loads(schema)
+        items = {"type": "array", "items": call, "minItems": 1}
+        for key in ("$defs", "x-guidance"):  # root-only keys move to the array, the new root
+            if key in call:
+                items[key] = call.pop(key)
         if not parallel:
             items["maxItems"] = 1
         return f"calls: {lit(self.start)} after_open\nafter_open: %json {json.dumps(items)}\n"
@@ -397,24 +401,97 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+# Bounded JSON whitespace for llguidance: at most one space where JSON allows whitespace (both
+# '{"a": 1}' and '{"a":1}' fit, no newlines or runs), so a greedy model cannot pad an object with
+# spaces until max_tokens. (``whitespace_flexible: false`` alone would fix the separators to ","
+# and ":", which models trained on json.dumps output do not write.)
+COMPACT = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
+_DEFS_PREFIX = "qd_fn"
+
+
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with llguidance's compact-whitespace option at its root."""
+    opts = dict(schema.get("x-guidance") or {})
+    opts.update(COMPACT)
+    return {**schema, "x-guidance": opts}
+
+
+def has_ref(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return isinstance(obj.get("$ref"), str) or any(has_ref(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(has_ref(v) for v in obj)
+    return False
+
+
+def _rebase(obj: Any, base: str) -> Any:
+    """A copy of ``obj`` whose root-relative ``$ref``s (``#``, ``#/$defs/X``, ``#/definitions/X``,
+    any pointer) point into ``#/$defs/<base>`` instead of the root."""
+    if isinstance(obj, dict):
+        out = {k: _rebase(v, base) for k, v in obj.items()}
+        ref = obj.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = f"#/$defs/{base}{ref[1:]}"
+        return out
+    if isinstance(obj, list):
+        return [_rebase(v, base) for v in obj]
+    return obj
+
+
+def hoist(schemas: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Schemas to embed inside a larger one (each function's parameters under
+    ``properties.arguments``, an ``anyOf`` across functions): a schema with ``$ref``s moves whole
+    into the root's ``$defs`` (as ``qd_fn<i>``, its own ``$defs``/``definitions`` inside it) with
+    its refs rebased, and is replaced by a ``$ref`` to it. Recursion stays recursion through
+    ``$ref``. Returns the schemas to embed and the ``$defs`` for the root."""
+    out: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for i, schema in enumerate(schemas):
+        if not has_ref(schema):
+            out.append(schema)
+            continue
+        key = f"{_DEFS_PREFIX}{i}"
+        defs[key] = _rebase(schema, key)
+        out.append({"$ref": f"#/$defs/{key}"})
+    return out, defs
+
+
+def calls_schema(fmt: ToolFormat, functions: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The JSON schema of one call object to any of ``functions``, with each function's
+    ``$defs`` hoisted to the root and compact whitespace."""
+    params, defs = hoist([schema for _, schema in functions])
+    schemas = [fmt.call_schema(name, p) for (name, _), p in zip(functions, params, strict=True)]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return compact(schema)
+
+
 def forced_grammar(
     fmt: ToolFormat,
     functions: Sequence[tuple[str, dict[str, Any]]],
     parallel: bool,
     free_text: bool,
     lit: MarkerWriter = quoted,
+    answer: dict[str, Any] | None = None,
 ) -> str:
     """The Lark grammar of an answer made of calls to ``functions`` ((name, parameters schema)).
 
     ``free_text``: the answer may also be plain text (``tool_choice: "auto"`` with strict
     functions): then either text that never opens a call, or (hermes, mistral) such text then
     the calls. Where the marker is a special token, text cannot contain it anyway.
+    ``answer``: with ``free_text``, the answer that is not calls must be JSON for this schema
+    (``response_format``) instead of free text: then the answer is the calls or that JSON.
     """
-    schemas = [fmt.call_schema(name, params) for name, params in functions]
-    schema = json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    schema = json.dumps(calls_schema(fmt, functions))
     rules = fmt.call_grammar(schema, parallel, lit)
     if not free_text:
         return f"%llguidance {{}}\nstart: calls\n{rules}"
+    if answer is not None:
+        return (
+            f"%llguidance {{}}\nstart: calls | answer\n"
+            f"answer: %json {json.dumps(compact(answer))}\n{rules}"
+        )
     if isinstance(fmt, Llama3JsonFormat):  # text that does not open with a brace, or calls
         return "%llguidance {}\nstart: calls | TEXT\nTEXT: /[^{\\s](.|\\n)*/\n" + rules
     if lit(fmt.start) != quoted(fmt.start):  # a special token: no text can contain it
