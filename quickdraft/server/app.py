@@ -41,7 +41,7 @@ from quickdraft.server.grammar import ANY_JSON_OBJECT, GrammarCompiler
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.protocol import ApiError, error_body
 from quickdraft.server.tools import (
-    ToolCall,
+    CallDelta,
     ToolFormat,
     ToolStream,
     forced_grammar,
@@ -554,13 +554,12 @@ def _chat_chunks(server: _Server, job: Job, prepared: _Prepared) -> AsyncIterato
                 if step.text or step.logprobs:
                     yield chunk(p.Delta(content=step.text), logprobs=logprobs)
                 continue
-            content, done = calls.push(step.token_ids, final=step.finish_reason is not None)
+            content, deltas = calls.push(step.token_ids, final=step.finish_reason is not None)
             if content or logprobs:
                 yield chunk(p.Delta(content=content or None), logprobs=logprobs)
-            for call in done:
-                for delta in _call_deltas(n_calls, call):
-                    yield chunk(delta)
-                n_calls += 1
+            for delta in deltas:
+                yield chunk(_call_delta(delta))
+                n_calls = max(n_calls, delta.index + 1)
         if last is None or last.finish_reason is None:
             raise QuickdraftError("the generation was cut short (the server is shutting down)")
         yield chunk(p.Delta(), finish=_finish_reason(last.finish_reason, n_calls), usage=_usage(last.stats))
@@ -689,25 +688,29 @@ class _CallText:
     def text(self, ids: list[int]) -> str:
         return self.detok.push([t for t in ids if t not in self.eos]) + self.detok.flush()
 
-    def push(self, ids: list[int], final: bool) -> tuple[str, list[ToolCall]]:
-        """Content to stream now and the calls completed by these tokens (all at the end)."""
+    def push(self, ids: list[int], final: bool) -> tuple[str, list[CallDelta]]:
+        """Content to stream now and the pieces of calls these tokens made (see ToolStream)."""
         text = self.detok.push([t for t in ids if t not in self.eos])
         if final:
             text += self.detok.flush()
-        content, calls = self.stream.push(text)
+        content, _ = self.stream.push(text)
         if final:
-            more, rest = self.stream.finish()
-            content, calls = content + more, calls + rest
-        return content, calls
+            more, _ = self.stream.finish()
+            content += more
+        return content, self.stream.take_deltas()
 
 
-def _call_deltas(index: int, call: ToolCall) -> list[p.Delta]:
-    """OpenAI's streamed form of one call: id, type and name first, then the arguments."""
-    head = p.ToolCallDelta(
-        index=index, id=call.id, type="function", function=p.FunctionDelta(name=call.name, arguments="")
-    )
-    args = p.ToolCallDelta(index=index, function=p.FunctionDelta(arguments=call.arguments))
-    return [p.Delta(tool_calls=[head]), p.Delta(tool_calls=[args])]
+def _call_delta(delta: CallDelta) -> p.Delta:
+    """OpenAI's streamed form of a call piece: index, id, type and name (arguments "") first,
+    then index and a piece of the arguments."""
+    if delta.id is not None:
+        call = p.ToolCallDelta(
+            index=delta.index, id=delta.id, type="function",
+            function=p.FunctionDelta(name=delta.name, arguments=delta.arguments),
+        )
+    else:
+        call = p.ToolCallDelta(index=delta.index, function=p.FunctionDelta(arguments=delta.arguments))
+    return p.Delta(tool_calls=[call])
 
 
 def _finish_reason(engine_reason: str | None, n_calls: int) -> str | None:

@@ -61,6 +61,17 @@ class ToolCall:
         }
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call, OpenAI's way: first ``id`` and ``name`` (arguments ""), then
+    pieces of the arguments text; ``index`` counts the answer's calls."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -158,6 +169,25 @@ def bare_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
     return calls
 
 
+# A hermes call object's opening up to its arguments object, as models write it (name first).
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)+")\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def _raw_arguments(body: str, call: ToolCall) -> ToolCall:
+    """The call with its arguments as the model wrote them (the text of the arguments object,
+    which streaming sends piece by piece) when the block is ``{"name": ..., "arguments": {...}}``."""
+    head = _HERMES_HEAD.match(body)
+    if head is None:
+        return call
+    try:
+        value, end = json.JSONDecoder().raw_decode(body, head.end())
+    except ValueError:
+        return call
+    if value != json.loads(call.arguments):
+        return call
+    return ToolCall(call.name, body[head.end() : end], call.id)
+
+
 class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
@@ -176,7 +206,7 @@ class HermesFormat(ToolFormat):
                 obj = json.loads(body)
             except ValueError:
                 raise Malformed(f"a <tool_call> block is not JSON: {body!r:.200}") from None
-            calls.append(_call_from_object(obj, ("arguments", "parameters")))
+            calls.append(_raw_arguments(body, _call_from_object(obj, ("arguments", "parameters"))))
         rest = self._block.sub("", text[first:]).strip()
         if rest:
             raise Malformed(f"text between or after the tool calls: {rest!r:.200}")
@@ -300,13 +330,57 @@ def parse_output(fmt: ToolFormat, text: str, names: frozenset[str] = frozenset()
         return Parsed(text, [])
 
 
+class _OpenCall:
+    """A hermes call whose arguments are streaming: where the arguments object stands."""
+
+    def __init__(self, call_id: str, name: str, index: int, prefix: str) -> None:
+        self.prefix = prefix  # the block's text before the arguments
+        self.id = call_id
+        self.name = name
+        self.index = index
+        self.arguments = ""
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False  # the arguments object closed
+
+    def scan(self, text: str) -> int:
+        """How much of ``text`` belongs to the arguments object (all of it until it closes)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
 class ToolStream:
-    """Splits streamed output text into content to show now and tool calls once complete.
+    """Splits streamed output text into content to show now and tool calls.
 
     Content is passed on as it comes, except a tail that could be the start of a call marker
     (held back until the next text decides). From the marker on, text is held until
     :meth:`finish` (or, for ``hermes``, until each ``</tool_call>``), then parsed: a good call
     becomes a :class:`ToolCall`, anything malformed goes out as content after all.
+
+    :attr:`deltas` (taken with :meth:`take_deltas`) is the calls as OpenAI streams them. A
+    ``hermes`` block written ``{"name": ..., "arguments": {...}}`` (name first, arguments last,
+    as Qwen's template shows them) streams: its id and name as soon as the arguments open, then
+    the arguments text as it comes, the same text the whole-answer parse returns. Any other
+    call goes out whole (head, then all its arguments) once complete. A streamed block that
+    turns out malformed (or is cut short by max_tokens) ends as content like in the whole parse,
+    but its head and arguments so far have gone out already.
     """
 
     def __init__(self, fmt: ToolFormat, names: frozenset[str] = frozenset()) -> None:
@@ -317,6 +391,14 @@ class ToolStream:
         self.bare = False  # hermes: the answer opened like a bare call object; held to the end
         self.seen_text = False  # the answer's opening is decided (llama3_json, bare calls)
         self.calls: list[ToolCall] = []
+        self.deltas: list[CallDelta] = []
+        self.started = 0  # calls whose head went out
+        self.open: _OpenCall | None = None
+        self.stuck = False  # a streamed block turned out malformed: the rest waits for finish()
+
+    def take_deltas(self) -> list[CallDelta]:
+        out, self.deltas = self.deltas, []
+        return out
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content to emit now, and calls completed by this text."""
@@ -330,15 +412,43 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """Everything still held: the last content and calls."""
+        done: list[ToolCall] = []
+        if self.open is not None:
+            opened, self.open = self.open, None
+            block = opened.prefix + opened.arguments + self.buffer
+            if opened.done and self._parses(block):  # an unterminated last block (EOS) counts
+                self.buffer = ""
+                done.append(self._close(opened))
+            else:  # cut short or malformed: content, as the whole-answer parse has it
+                self.buffer = block
         rest, self.buffer = self.buffer, ""
         if not self.in_calls:
-            return rest, []
+            return rest, done
         parsed = parse_output(self.fmt, rest, self.names)
-        self.calls += parsed.calls
+        for one in parsed.calls:
+            self._whole(one)
         content = parsed.content
         if not parsed.calls and self.calls and content:
             content = "\n" + content
-        return content, parsed.calls
+        return content, done + parsed.calls
+
+    def _whole(self, call: ToolCall) -> None:
+        """A call complete before any of it streamed: head, then all its arguments."""
+        self.calls.append(call)
+        index, self.started = self.started, self.started + 1
+        self.deltas.append(CallDelta(index, "", call.id, call.name))
+        self.deltas.append(CallDelta(index, call.arguments))
+
+    def _parses(self, block: str) -> bool:
+        try:
+            return len(self.fmt.parse(block.strip()).calls) == 1
+        except Malformed:
+            return False
+
+    def _close(self, call: _OpenCall) -> ToolCall:
+        done = ToolCall(call.name, call.arguments, call.id)
+        self.calls.append(done)
+        return done
 
     def _content(self) -> str:
         fmt = self.fmt
@@ -380,6 +490,44 @@ class ToolStream:
         assert isinstance(fmt, HermesFormat)
         done: list[ToolCall] = []
         while True:
+            call = self.open
+            if call is not None and not call.done:  # stream the arguments
+                n = call.scan(self.buffer)
+                piece, self.buffer = self.buffer[:n], self.buffer[n:]
+                if piece:
+                    call.arguments += piece
+                    self.deltas.append(CallDelta(call.index, piece))
+                if not call.done:
+                    return done
+            if call is not None:  # the arguments closed: wait for the block's end
+                end = self.buffer.find(fmt.end)
+                if end < 0:
+                    return done
+                block = call.prefix + call.arguments + self.buffer[: end + len(fmt.end)]
+                self.open = None
+                if not self._parses(block):  # held for finish(), which makes it content
+                    self.buffer = call.prefix + call.arguments + self.buffer
+                    self.stuck = True
+                    return done
+                self.buffer = self.buffer[end + len(fmt.end) :].lstrip()
+                done.append(self._close(call))
+                continue
+            if self.stuck:
+                return done
+            if self.buffer.startswith(fmt.start):
+                head = _HERMES_HEAD.match(self.buffer, len(fmt.start))
+                if head is not None:
+                    try:
+                        name = json.loads(head.group(1))
+                    except ValueError:
+                        name = ""
+                    if name:
+                        prefix = self.buffer[: head.end()]
+                        self.open = _OpenCall(new_call_id(), name, self.started, prefix)
+                        self.started += 1
+                        self.deltas.append(CallDelta(self.open.index, "", self.open.id, name))
+                        self.buffer = self.buffer[head.end() :]
+                        continue
             end = self.buffer.find(fmt.end)
             if end < 0:
                 return done
@@ -389,7 +537,8 @@ class ToolStream:
             except Malformed:
                 return done  # left for finish(), which returns it as content
             self.buffer = self.buffer[end + len(fmt.end) :].lstrip()
-            self.calls += parsed.calls
+            for one in parsed.calls:
+                self._whole(one)
             done += parsed.calls
 
 
