@@ -19,7 +19,10 @@ returned as content and logged as a warning; it never fails the request.
 
 Forced calls (``tool_choice: "required"`` or a named function, or any function with
 ``strict: true``) become an llguidance Lark grammar: the family's frame around ``%json`` of the
-function's parameters schema, so the arguments are valid for the schema. Speculation stays
+function's parameters schema, so the arguments are valid for the schema. A schema with ``$ref``
+(``$defs``, ``definitions``, recursion) is hoisted into the embedding schema's root ``$defs``
+(:func:`hoist`), and every embedded JSON gets bounded whitespace (:data:`COMPACT`). With
+``response_format`` under ``auto`` the answer is the calls or the JSON answer. Speculation stays
 lossless under it exactly as under ``response_format``: the mask of a position depends on the
 prefix alone (see :mod:`quickdraft.server.grammar`).
 """
