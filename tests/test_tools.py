@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from quickdraft.server.grammar import GrammarCompiler
@@ -222,3 +223,132 @@ def test_forced_grammars_accept_calls_and_refuse_the_rest(qwen05_gguf: Path) -> 
     assert not _walk(compiler, llama, '{"name": "lookup", "parameters": {"expression": "1"}}')
     mistral = forced_grammar(MISTRAL, fns, True, False, compiler.marker)
     assert _walk(compiler, mistral, '[TOOL_CALLS][{"name": "calc", "arguments": {"expression": "1"}}]')
+
+
+# ------------------------------------------------------- nested schemas, whitespace, streaming
+
+
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+class Trip(pydantic.BaseModel):
+    origin: Place
+    stops: list[Place]
+
+
+class Node(pydantic.BaseModel):  # recursive: children are Nodes
+    name: str
+    children: list[Node] = []
+
+
+TRIP = Trip.model_json_schema()  # {"$defs": {"Place": ...}, "properties": {"origin": {"$ref": ...
+TRIP_ARGS = '{"origin": {"city": "Oslo", "country": "Norway"}, "stops": [{"city": "Rome", "country": "Italy"}]}'
+BAD_TRIP_ARGS = '{"origin": {"city": "Oslo"}, "stops": []}'  # Place without its country
+
+
+def test_nested_schemas_with_defs_work_inside_every_grammar(qwen05_gguf: Path) -> None:
+    assert "$defs" in TRIP and "$ref" in json.dumps(TRIP["properties"])
+    compiler = GrammarCompiler(Tokenizer.from_gguf(qwen05_gguf))
+    fns = [("plan", TRIP), ("calc", CALC)]
+    call = '<tool_call>\n{"name": "plan", "arguments": ' + TRIP_ARGS + "}\n</tool_call>"
+    bad = '<tool_call>\n{"name": "plan", "arguments": ' + BAD_TRIP_ARGS + "}\n</tool_call>"
+    # tool_choice required (both functions), named (one), strict under auto.
+    for grammar in (
+        forced_grammar(HERMES, fns, True, False, compiler.marker),
+        forced_grammar(HERMES, fns[:1], False, False, compiler.marker),
+        forced_grammar(HERMES, fns, True, True, compiler.marker),
+    ):
+        assert _walk(compiler, grammar, call) and not _walk(compiler, grammar, bad)
+    Trip.model_validate_json(parse_output(HERMES, call).calls[0].arguments)
+    # The `definitions` spelling and the other two formats (Mistral's wraps calls in an array).
+    old_style = json.loads(json.dumps(TRIP).replace("$defs", "definitions"))
+    llama = forced_grammar(LLAMA, [("plan", old_style)], False, False, compiler.marker)
+    assert _walk(compiler, llama, '{"name": "plan", "parameters": ' + TRIP_ARGS + "}")
+    assert not _walk(compiler, llama, '{"name": "plan", "parameters": ' + BAD_TRIP_ARGS + "}")
+    mistral = forced_grammar(MISTRAL, fns, True, False, compiler.marker)
+    assert _walk(compiler, mistral, '[TOOL_CALLS][{"name": "plan", "arguments": ' + TRIP_ARGS + "}]")
+    # response_format: the schema alone, and as the answer next to strict tools.
+    assert _walk_json(compiler, TRIP, TRIP_ARGS) and not _walk_json(compiler, TRIP, BAD_TRIP_ARGS)
+    both = forced_grammar(HERMES, fns, True, True, compiler.marker, answer=TRIP)
+    assert _walk(compiler, both, TRIP_ARGS) and _walk(compiler, both, call)
+    assert not _walk(compiler, both, "Plain text is not the JSON answer.")
+    assert not _walk(compiler, both, BAD_TRIP_ARGS)
+
+
+def test_recursive_schemas_keep_their_recursion(qwen05_gguf: Path) -> None:
+    compiler = GrammarCompiler(Tokenizer.from_gguf(qwen05_gguf))
+    tree = '{"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}]}'
+    grammar = forced_grammar(HERMES, [("grow", Node.model_json_schema())], False, False, compiler.marker)
+    assert _walk(compiler, grammar, '<tool_call>\n{"name": "grow", "arguments": ' + tree + "}\n</tool_call>")
+    assert not _walk(compiler, grammar, '<tool_call>\n{"name": "grow", "arguments": {"children": []}}\n</tool_call>')
+    # Recursion through the root ("#"), which the hoisting rebases too.
+    root = {"type": "object", "properties": {"next": {"$ref": "#"}, "v": {"type": "integer"}}}
+    llama = forced_grammar(LLAMA, [("chain", root)], False, False, compiler.marker)
+    assert _walk(compiler, llama, '{"name": "chain", "parameters": {"next": {"next": {"v": 3}}, "v": 1}}')
+    assert _walk_json(compiler, Node.model_json_schema(), tree)
+
+
+def _walk_json(compiler: GrammarCompiler, schema: dict[str, object], text: str) -> bool:
+    tok = compiler.tokenizer
+    constraint = compiler.json(schema)
+    for t in tok.encode(text, add_special_tokens=False):
+        if not bool(constraint.allowed([], tok.vocab_size)[0, t]):
+            return False
+        constraint.commit([t])
+    return bool(constraint.allowed([], tok.vocab_size)[0, sorted(tok.eos_ids)].any())
+
+
+def test_json_whitespace_is_bounded(qwen05_gguf: Path) -> None:
+    """At most one space where JSON allows whitespace: a greedy model cannot pad with spaces."""
+    compiler = GrammarCompiler(Tokenizer.from_gguf(qwen05_gguf))
+    tok = compiler.tokenizer
+    assert _walk_json(compiler, TRIP, TRIP_ARGS)
+    assert _walk_json(compiler, TRIP, TRIP_ARGS.replace(": ", ":").replace(", ", ","))
+    assert not _walk_json(compiler, TRIP, TRIP_ARGS.replace(", ", ",  "))
+    assert not _walk_json(compiler, TRIP, TRIP_ARGS[:-1] + "  }")
+    assert not _walk_json(compiler, None, '{\n  "a": 1\n}')  # type: ignore[arg-type]
+    spaces = [i for i in range(tok.vocab_size) if (t := compiler.token_text(i)[0]) and not t.strip()]
+    for grammar_text in (TRIP_ARGS[:-1], TRIP_ARGS[:-1] + " "):  # after the last field
+        constraint = compiler.json(TRIP)
+        constraint.commit(tok.encode(grammar_text, add_special_tokens=False))
+        mask = constraint.allowed([], tok.vocab_size)[0]
+        allowed = [compiler.token_text(i)[0] for i in spaces if mask[i]]
+        assert allowed == ([] if grammar_text.endswith(" ") else [" "])
+    # Tool arguments too.
+    grammar = forced_grammar(HERMES, [("calc", CALC)], False, False, compiler.marker)
+    assert not _walk(compiler, grammar, '<tool_call>\n{"name": "calc", "arguments": {"expression": "1"}   }\n</tool_call>')
+
+
+def test_streamed_arguments_arrive_in_pieces_and_equal_the_whole_parse() -> None:
+    long = "x" * 200
+    text = (
+        "Let me look.\n<tool_call>\n"
+        '{"name": "lookup", "arguments": {"city": "' + long + '", "n": [1, {"a": "}"}]}}\n</tool_call>\n'
+        '<tool_call>\n{"arguments": {"expression": "1"}, "name": "calc"}\n</tool_call>'  # name last
+    )
+    whole = parse_output(HERMES, text)
+    assert [c.arguments for c in whole.calls][0] == (
+        '{"city": "' + long + '", "n": [1, {"a": "}"}]}'  # the model's own text
+    )
+    stream = ToolStream(HERMES)
+    deltas = []
+    for i in range(0, len(text), 7):
+        stream.push(text[i : i + 7])
+        deltas += stream.take_deltas()
+    stream.finish()
+    deltas += stream.take_deltas()
+    assert [d.index for d in deltas if d.id] == [0, 1]
+    for index, call in enumerate(whole.calls):
+        mine = [d for d in deltas if d.index == index]
+        assert mine[0].name == call.name and mine[0].id and mine[0].arguments == ""
+        assert all(d.id is None and d.name is None for d in mine[1:])
+        assert "".join(d.arguments for d in mine) == call.arguments
+    assert len([d for d in deltas if d.index == 0]) > 10  # streamed as it came
+    assert len([d for d in deltas if d.index == 1]) == 2  # name after the arguments: whole
+    # The first call's head goes out before its arguments are complete.
+    stream = ToolStream(HERMES)
+    stream.push(text[: text.index(long) + 50])
+    head, *pieces = stream.take_deltas()
+    assert head.name == "lookup" and pieces and "".join(d.arguments for d in pieces).endswith("x" * 50)

@@ -39,11 +39,11 @@ from quickdraft.engine import TokenLogprob as EngineLogprob
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import protocol as p
-from quickdraft.server.grammar import GrammarCompiler
+from quickdraft.server.grammar import ANY_JSON_OBJECT, GrammarCompiler
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.protocol import ApiError, error_body
 from quickdraft.server.tools import (
-    ToolCall,
+    CallDelta,
     ToolFormat,
     ToolStream,
     forced_grammar,
@@ -360,13 +360,6 @@ def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
     max_tokens = _max_tokens(server, len(ids), req.requested_max_tokens(), "messages")
     params = req.sampling_params(max_tokens, req.engine_logprobs(), _vocab(server))
     constraint = _tool_constraint(server, req, fmt) if fmt is not None else None
-    if constraint is not None and req.json_schema()[0]:
-        raise ApiError(
-            400,
-            "response_format cannot be combined with a forced or strict tool call; "
-            "drop one of them",
-            param="response_format",
-        )
     names = frozenset(t.function.name for t in req.tools or []) if fmt is not None else frozenset()
     return _Prepared(ids, params, constraint or _constraint(server, req), fmt, names)
 
@@ -403,12 +396,17 @@ def _tool_constraint(
     server: _Server, req: p.ChatCompletionRequest, fmt: ToolFormat
 ) -> Constraint | None:
     """The grammar of a forced call (tool_choice required or named), or of an answer whose
-    calls to strict functions must match their schemas; None when nothing is forced."""
+    calls to strict functions must match their schemas; None when nothing is forced.
+
+    With ``response_format`` (json_schema or json_object): a forced call ignores it (the answer
+    is calls only; response_format is for text answers, as OpenAI does); under ``auto`` the
+    answer is calls (strict ones per their schemas) or the JSON answer."""
     tools = req.tools or []
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
     forced = named is not None or choice == "required"
-    if not forced and not any(t.function.strict for t in tools):
+    structured, answer = req.json_schema()
+    if not forced and not structured and not any(t.function.strict for t in tools):
         return None
     functions = []
     for t in tools:
@@ -419,11 +417,24 @@ def _tool_constraint(
             schema = {"type": "object"}
         functions.append((t.function.name, schema))
     parallel = named is None and req.parallel_tool_calls is not False
-    grammar = forced_grammar(fmt, functions, parallel, not forced, server.grammar.marker)
+    json_answer = (answer or ANY_JSON_OBJECT) if structured and not forced else None
+    grammar = forced_grammar(
+        fmt, functions, parallel, not forced, server.grammar.marker, answer=json_answer
+    )
     try:
         return server.grammar.lark(grammar)
     except QuickdraftError as exc:
-        raise ApiError(400, f"the tools' parameter schemas are not usable: {exc}", param="tools") from None
+        error = exc
+    # Name the function whose schema fails (each alone), else blame the response_format.
+    for name, schema in functions:
+        try:
+            server.grammar.lark(forced_grammar(fmt, [(name, schema)], False, False, server.grammar.marker))
+        except QuickdraftError as exc:
+            raise ApiError(
+                400, f"the parameters schema of tool `{name}` is not usable: {exc}", param="tools"
+            ) from None
+    param = "response_format" if json_answer is not None else "tools"
+    raise ApiError(400, f"the tools' or response_format's schemas are not usable: {error}", param=param)
 
 
 def _prepare_completion(server: _Server, req: p.CompletionRequest) -> _Prepared:
@@ -582,13 +593,12 @@ def _chat_chunks(server: _Server, job: Job, prepared: _Prepared) -> AsyncIterato
                 if step.text or step.logprobs:
                     yield chunk(p.Delta(content=step.text), logprobs=logprobs)
                 continue
-            content, done = calls.push(step.token_ids, final=step.finish_reason is not None)
+            content, deltas = calls.push(step.token_ids, final=step.finish_reason is not None)
             if content or logprobs:
                 yield chunk(p.Delta(content=content or None), logprobs=logprobs)
-            for call in done:
-                for delta in _call_deltas(n_calls, call):
-                    yield chunk(delta)
-                n_calls += 1
+            for delta in deltas:
+                yield chunk(_call_delta(delta))
+                n_calls = max(n_calls, delta.index + 1)
         if last is None or last.finish_reason is None:
             raise QuickdraftError("the generation was cut short (the server is shutting down)")
         yield chunk(p.Delta(), finish=_finish_reason(last.finish_reason, n_calls), usage=_usage(last.stats))
@@ -717,25 +727,29 @@ class _CallText:
     def text(self, ids: list[int]) -> str:
         return self.detok.push([t for t in ids if t not in self.eos]) + self.detok.flush()
 
-    def push(self, ids: list[int], final: bool) -> tuple[str, list[ToolCall]]:
-        """Content to stream now and the calls completed by these tokens (all at the end)."""
+    def push(self, ids: list[int], final: bool) -> tuple[str, list[CallDelta]]:
+        """Content to stream now and the pieces of calls these tokens made (see ToolStream)."""
         text = self.detok.push([t for t in ids if t not in self.eos])
         if final:
             text += self.detok.flush()
-        content, calls = self.stream.push(text)
+        content, _ = self.stream.push(text)
         if final:
-            more, rest = self.stream.finish()
-            content, calls = content + more, calls + rest
-        return content, calls
+            more, _ = self.stream.finish()
+            content += more
+        return content, self.stream.take_deltas()
 
 
-def _call_deltas(index: int, call: ToolCall) -> list[p.Delta]:
-    """OpenAI's streamed form of one call: id, type and name first, then the arguments."""
-    head = p.ToolCallDelta(
-        index=index, id=call.id, type="function", function=p.FunctionDelta(name=call.name, arguments="")
-    )
-    args = p.ToolCallDelta(index=index, function=p.FunctionDelta(arguments=call.arguments))
-    return [p.Delta(tool_calls=[head]), p.Delta(tool_calls=[args])]
+def _call_delta(delta: CallDelta) -> p.Delta:
+    """OpenAI's streamed form of a call piece: index, id, type and name (arguments "") first,
+    then index and a piece of the arguments."""
+    if delta.id is not None:
+        call = p.ToolCallDelta(
+            index=delta.index, id=delta.id, type="function",
+            function=p.FunctionDelta(name=delta.name, arguments=delta.arguments),
+        )
+    else:
+        call = p.ToolCallDelta(index=delta.index, function=p.FunctionDelta(arguments=delta.arguments))
+    return p.Delta(tool_calls=[call])
 
 
 def _finish_reason(engine_reason: str | None, n_calls: int) -> str | None:

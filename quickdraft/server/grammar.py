@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.server.tools import compact
 from quickdraft.tokenizer import Tokenizer
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -71,9 +72,13 @@ class GrammarCompiler:
         return json.dumps(text)
 
     def json(self, schema: dict[str, Any] | None) -> JsonConstraint:
-        """A constraint to JSON matching ``schema``; None = any JSON object."""
+        """A constraint to JSON matching ``schema``; None = any JSON object. The JSON is compact
+        (llguidance's fixed separators, no free whitespace: a greedy model cannot pad it with
+        spaces forever); ``$defs``/``definitions`` and recursion through ``$ref`` work."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema or ANY_JSON_OBJECT)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                compact(schema or ANY_JSON_OBJECT)
+            )
         except (ValueError, TypeError) as exc:
             raise QuickdraftError(f"the JSON schema is not usable: {exc}") from exc
         return self._constraint(grammar, "the JSON schema")

@@ -19,7 +19,10 @@ returned as content and logged as a warning; it never fails the request.
 
 Forced calls (``tool_choice: "required"`` or a named function, or any function with
 ``strict: true``) become an llguidance Lark grammar: the family's frame around ``%json`` of the
-function's parameters schema, so the arguments are valid for the schema. Speculation stays
+function's parameters schema, so the arguments are valid for the schema. A schema with ``$ref``
+(``$defs``, ``definitions``, recursion) is hoisted into the embedding schema's root ``$defs``
+(:func:`hoist`), and every embedded JSON gets bounded whitespace (:data:`COMPACT`). With
+``response_format`` under ``auto`` the answer is the calls or the JSON answer. Speculation stays
 lossless under it exactly as under ``response_format``: the mask of a position depends on the
 prefix alone (see :mod:`quickdraft.server.grammar`).
 """
@@ -59,6 +62,17 @@ class ToolCall:
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call, OpenAI's way: first ``id`` and ``name`` (arguments ""), then
+    pieces of the arguments text; ``index`` counts the answer's calls."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
 
 
 def new_call_id() -> str:
@@ -158,6 +172,25 @@ def bare_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
     return calls
 
 
+# A hermes call object's opening up to its arguments object, as models write it (name first).
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)+")\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def _raw_arguments(body: str, call: ToolCall) -> ToolCall:
+    """The call with its arguments as the model wrote them (the text of the arguments object,
+    which streaming sends piece by piece) when the block is ``{"name": ..., "arguments": {...}}``."""
+    head = _HERMES_HEAD.match(body)
+    if head is None:
+        return call
+    try:
+        value, end = json.JSONDecoder().raw_decode(body, head.end())
+    except ValueError:
+        return call
+    if value != json.loads(call.arguments):
+        return call
+    return ToolCall(call.name, body[head.end() : end], call.id)
+
+
 class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
@@ -176,7 +209,7 @@ class HermesFormat(ToolFormat):
                 obj = json.loads(body)
             except ValueError:
                 raise Malformed(f"a <tool_call> block is not JSON: {body!r:.200}") from None
-            calls.append(_call_from_object(obj, ("arguments", "parameters")))
+            calls.append(_raw_arguments(body, _call_from_object(obj, ("arguments", "parameters"))))
         rest = self._block.sub("", text[first:]).strip()
         if rest:
             raise Malformed(f"text between or after the tool calls: {rest!r:.200}")
@@ -248,7 +281,11 @@ class MistralFormat(ToolFormat):
         return Parsed(text[:first].rstrip(), calls)
 
     def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
-        items = {"type": "array", "items": json.loads(schema), "minItems": 1}
+        call = json.loads(schema)
+        items = {"type": "array", "items": call, "minItems": 1}
+        for key in ("$defs", "x-guidance"):  # root-only keys move to the array, the new root
+            if key in call:
+                items[key] = call.pop(key)
         if not parallel:
             items["maxItems"] = 1
         return f"calls: {lit(self.start)} after_open\nafter_open: %json {json.dumps(items)}\n"
@@ -296,13 +333,57 @@ def parse_output(fmt: ToolFormat, text: str, names: frozenset[str] = frozenset()
         return Parsed(text, [])
 
 
+class _OpenCall:
+    """A hermes call whose arguments are streaming: where the arguments object stands."""
+
+    def __init__(self, call_id: str, name: str, index: int, prefix: str) -> None:
+        self.prefix = prefix  # the block's text before the arguments
+        self.id = call_id
+        self.name = name
+        self.index = index
+        self.arguments = ""
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False  # the arguments object closed
+
+    def scan(self, text: str) -> int:
+        """How much of ``text`` belongs to the arguments object (all of it until it closes)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
 class ToolStream:
-    """Splits streamed output text into content to show now and tool calls once complete.
+    """Splits streamed output text into content to show now and tool calls.
 
     Content is passed on as it comes, except a tail that could be the start of a call marker
     (held back until the next text decides). From the marker on, text is held until
     :meth:`finish` (or, for ``hermes``, until each ``</tool_call>``), then parsed: a good call
     becomes a :class:`ToolCall`, anything malformed goes out as content after all.
+
+    :attr:`deltas` (taken with :meth:`take_deltas`) is the calls as OpenAI streams them. A
+    ``hermes`` block written ``{"name": ..., "arguments": {...}}`` (name first, arguments last,
+    as Qwen's template shows them) streams: its id and name as soon as the arguments open, then
+    the arguments text as it comes, the same text the whole-answer parse returns. Any other
+    call goes out whole (head, then all its arguments) once complete. A streamed block that
+    turns out malformed (or is cut short by max_tokens) ends as content like in the whole parse,
+    but its head and arguments so far have gone out already.
     """
 
     def __init__(self, fmt: ToolFormat, names: frozenset[str] = frozenset()) -> None:
@@ -313,6 +394,14 @@ class ToolStream:
         self.bare = False  # hermes: the answer opened like a bare call object; held to the end
         self.seen_text = False  # the answer's opening is decided (llama3_json, bare calls)
         self.calls: list[ToolCall] = []
+        self.deltas: list[CallDelta] = []
+        self.started = 0  # calls whose head went out
+        self.open: _OpenCall | None = None
+        self.stuck = False  # a streamed block turned out malformed: the rest waits for finish()
+
+    def take_deltas(self) -> list[CallDelta]:
+        out, self.deltas = self.deltas, []
+        return out
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content to emit now, and calls completed by this text."""
@@ -326,15 +415,43 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """Everything still held: the last content and calls."""
+        done: list[ToolCall] = []
+        if self.open is not None:
+            opened, self.open = self.open, None
+            block = opened.prefix + opened.arguments + self.buffer
+            if opened.done and self._parses(block):  # an unterminated last block (EOS) counts
+                self.buffer = ""
+                done.append(self._close(opened))
+            else:  # cut short or malformed: content, as the whole-answer parse has it
+                self.buffer = block
         rest, self.buffer = self.buffer, ""
         if not self.in_calls:
-            return rest, []
+            return rest, done
         parsed = parse_output(self.fmt, rest, self.names)
-        self.calls += parsed.calls
+        for one in parsed.calls:
+            self._whole(one)
         content = parsed.content
         if not parsed.calls and self.calls and content:
             content = "\n" + content
-        return content, parsed.calls
+        return content, done + parsed.calls
+
+    def _whole(self, call: ToolCall) -> None:
+        """A call complete before any of it streamed: head, then all its arguments."""
+        self.calls.append(call)
+        index, self.started = self.started, self.started + 1
+        self.deltas.append(CallDelta(index, "", call.id, call.name))
+        self.deltas.append(CallDelta(index, call.arguments))
+
+    def _parses(self, block: str) -> bool:
+        try:
+            return len(self.fmt.parse(block.strip()).calls) == 1
+        except Malformed:
+            return False
+
+    def _close(self, call: _OpenCall) -> ToolCall:
+        done = ToolCall(call.name, call.arguments, call.id)
+        self.calls.append(done)
+        return done
 
     def _content(self) -> str:
         fmt = self.fmt
@@ -376,6 +493,44 @@ class ToolStream:
         assert isinstance(fmt, HermesFormat)
         done: list[ToolCall] = []
         while True:
+            call = self.open
+            if call is not None and not call.done:  # stream the arguments
+                n = call.scan(self.buffer)
+                piece, self.buffer = self.buffer[:n], self.buffer[n:]
+                if piece:
+                    call.arguments += piece
+                    self.deltas.append(CallDelta(call.index, piece))
+                if not call.done:
+                    return done
+            if call is not None:  # the arguments closed: wait for the block's end
+                end = self.buffer.find(fmt.end)
+                if end < 0:
+                    return done
+                block = call.prefix + call.arguments + self.buffer[: end + len(fmt.end)]
+                self.open = None
+                if not self._parses(block):  # held for finish(), which makes it content
+                    self.buffer = call.prefix + call.arguments + self.buffer
+                    self.stuck = True
+                    return done
+                self.buffer = self.buffer[end + len(fmt.end) :].lstrip()
+                done.append(self._close(call))
+                continue
+            if self.stuck:
+                return done
+            if self.buffer.startswith(fmt.start):
+                head = _HERMES_HEAD.match(self.buffer, len(fmt.start))
+                if head is not None:
+                    try:
+                        name = json.loads(head.group(1))
+                    except ValueError:
+                        name = ""
+                    if name:
+                        prefix = self.buffer[: head.end()]
+                        self.open = _OpenCall(new_call_id(), name, self.started, prefix)
+                        self.started += 1
+                        self.deltas.append(CallDelta(self.open.index, "", self.open.id, name))
+                        self.buffer = self.buffer[head.end() :]
+                        continue
             end = self.buffer.find(fmt.end)
             if end < 0:
                 return done
@@ -385,7 +540,8 @@ class ToolStream:
             except Malformed:
                 return done  # left for finish(), which returns it as content
             self.buffer = self.buffer[end + len(fmt.end) :].lstrip()
-            self.calls += parsed.calls
+            for one in parsed.calls:
+                self._whole(one)
             done += parsed.calls
 
 
@@ -397,24 +553,97 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+# Bounded JSON whitespace for llguidance: at most one space where JSON allows whitespace (both
+# '{"a": 1}' and '{"a":1}' fit, no newlines or runs), so a greedy model cannot pad an object with
+# spaces until max_tokens. (``whitespace_flexible: false`` alone would fix the separators to ","
+# and ":", which models trained on json.dumps output do not write.)
+COMPACT = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
+_DEFS_PREFIX = "qd_fn"
+
+
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with llguidance's compact-whitespace option at its root."""
+    opts = dict(schema.get("x-guidance") or {})
+    opts.update(COMPACT)
+    return {**schema, "x-guidance": opts}
+
+
+def has_ref(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return isinstance(obj.get("$ref"), str) or any(has_ref(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(has_ref(v) for v in obj)
+    return False
+
+
+def _rebase(obj: Any, base: str) -> Any:
+    """A copy of ``obj`` whose root-relative ``$ref``s (``#``, ``#/$defs/X``, ``#/definitions/X``,
+    any pointer) point into ``#/$defs/<base>`` instead of the root."""
+    if isinstance(obj, dict):
+        out = {k: _rebase(v, base) for k, v in obj.items()}
+        ref = obj.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = f"#/$defs/{base}{ref[1:]}"
+        return out
+    if isinstance(obj, list):
+        return [_rebase(v, base) for v in obj]
+    return obj
+
+
+def hoist(schemas: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Schemas to embed inside a larger one (each function's parameters under
+    ``properties.arguments``, an ``anyOf`` across functions): a schema with ``$ref``s moves whole
+    into the root's ``$defs`` (as ``qd_fn<i>``, its own ``$defs``/``definitions`` inside it) with
+    its refs rebased, and is replaced by a ``$ref`` to it. Recursion stays recursion through
+    ``$ref``. Returns the schemas to embed and the ``$defs`` for the root."""
+    out: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for i, schema in enumerate(schemas):
+        if not has_ref(schema):
+            out.append(schema)
+            continue
+        key = f"{_DEFS_PREFIX}{i}"
+        defs[key] = _rebase(schema, key)
+        out.append({"$ref": f"#/$defs/{key}"})
+    return out, defs
+
+
+def calls_schema(fmt: ToolFormat, functions: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The JSON schema of one call object to any of ``functions``, with each function's
+    ``$defs`` hoisted to the root and compact whitespace."""
+    params, defs = hoist([schema for _, schema in functions])
+    schemas = [fmt.call_schema(name, p) for (name, _), p in zip(functions, params, strict=True)]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return compact(schema)
+
+
 def forced_grammar(
     fmt: ToolFormat,
     functions: Sequence[tuple[str, dict[str, Any]]],
     parallel: bool,
     free_text: bool,
     lit: MarkerWriter = quoted,
+    answer: dict[str, Any] | None = None,
 ) -> str:
     """The Lark grammar of an answer made of calls to ``functions`` ((name, parameters schema)).
 
     ``free_text``: the answer may also be plain text (``tool_choice: "auto"`` with strict
     functions): then either text that never opens a call, or (hermes, mistral) such text then
     the calls. Where the marker is a special token, text cannot contain it anyway.
+    ``answer``: with ``free_text``, the answer that is not calls must be JSON for this schema
+    (``response_format``) instead of free text: then the answer is the calls or that JSON.
     """
-    schemas = [fmt.call_schema(name, params) for name, params in functions]
-    schema = json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    schema = json.dumps(calls_schema(fmt, functions))
     rules = fmt.call_grammar(schema, parallel, lit)
     if not free_text:
         return f"%llguidance {{}}\nstart: calls\n{rules}"
+    if answer is not None:
+        return (
+            f"%llguidance {{}}\nstart: calls | answer\n"
+            f"answer: %json {json.dumps(compact(answer))}\n{rules}"
+        )
     if isinstance(fmt, Llama3JsonFormat):  # text that does not open with a brace, or calls
         return "%llguidance {}\nstart: calls | TEXT\nTEXT: /[^{\\s](.|\\n)*/\n" + rules
     if lit(fmt.start) != quoted(fmt.start):  # a special token: no text can contain it
