@@ -530,13 +530,17 @@ def test_sampled_chain_carries_q_and_runs(bigram: Bigram) -> None:
     assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens.tolist()))
     # and through the engine, chains with q and deterministic trees (test_tree checks that sampled
     # verification keeps p's distribution)
-    params = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
-    out, stats = speculative(target, prompt, params, drafter, 4)
-    assert len(out) == 12 and stats.accepted > 0
-    tree_drafter = Eagle3Drafter(bigram.oracle_head((1, 0, 2), read=1), target.model, shape=SHAPE,
-                                 cost=flat(), head_seconds=0.0, policy=False)
-    out, stats = speculative(target, prompt, params, tree_drafter, 10)
-    assert len(out) == 12 and stats.accepted > 0
+    # A seed means one answer: chains (drawn with the target's random numbers) and trees give
+    # plain seeded sampling's tokens.
+    for seed in (3, 4):
+        params = SamplingParams(max_tokens=12, temperature=0.9, seed=seed, ignore_eos=True)
+        want = plain(target, prompt, params)
+        out, stats = speculative(target, prompt, params, drafter, 4)
+        assert out == want and stats.accepted > 0
+        tree_drafter = Eagle3Drafter(bigram.oracle_head((1, 0, 2), read=1), target.model, shape=SHAPE,
+                                     cost=flat(), head_seconds=0.0, policy=False)
+        out, stats = speculative(target, prompt, params, tree_drafter, 10)
+        assert out == want and stats.accepted > 0
 
 
 def test_quantized_real_target(smollm2_gguf: Path) -> None:
