@@ -1,8 +1,11 @@
 """Acceptance and tok/s of the draft model (k=4) and auto at temperature 0.7 / 1.0 on a code and a chat prompt."""
-import json, sys, statistics
+import json
+import sys
+
+import quickdraft
 from quickdraft.api import LLM
 from quickdraft.sampling import SamplingParams
-import quickdraft
+
 side = sys.argv[1]
 prompts = ["Write a Python function that checks whether a string is a palindrome, with a docstring and tests.",
            "Explain in a short paragraph why the sky is blue."]
@@ -17,4 +20,5 @@ for draft in ("qwen2.5-coder-0.5b-instruct", "auto"):
                 out["runs"].append({"draft": draft, "t": t, "prompt": i, "seed": seed, "tau": s.tau, "drafted": s.drafted,
                                     "accepted": s.accepted, "tok_s": s.tokens_per_second})
                 print(side, draft, t, i, seed, f"tau {s.tau:.2f} acc {s.accepted}/{s.drafted} {s.tokens_per_second:.1f} tok/s", flush=True)
-json.dump(out, open(f"/tmp/b29/accept-{side}.json", "w"), indent=1)
+with open(f"benchmarks/results/seeded/{side}.json", "w") as f:
+    json.dump(out, f, indent=1)
