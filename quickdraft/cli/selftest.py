@@ -69,6 +69,11 @@ def _greedy_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no
     if plain_stats.tokens_per_second > 0:  # where plain decoding stands against the memory bandwidth
         context = len(ids) + len(plain) // 2
         print(roofline(llm.target.model, plain_stats.tokens_per_second, context).line(), flush=True)
+    return _each_drafter_matches(llm, ids, params, plain, "greedy")
+
+
+def _each_drafter_matches(llm, ids: list[int], params: SamplingParams, plain: list[int], what: str) -> bool:  # type: ignore[no-untyped-def]
+    """Every drafter's output for ``ids`` equals ``plain``, token for token; one line each."""
     ok = True
     for label, drafter, k in _drafters(llm):
         steps = list(llm.engine.generate(ids, params, drafter, k))
@@ -77,7 +82,7 @@ def _greedy_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no
         same = spec == plain
         ok &= same
         where = "" if same else f" first difference at token {_first_diff(plain, spec)}"
-        print(f"greedy  {label:22s} {'identical' if same else 'MISMATCH'} over {len(plain)} tokens "
+        print(f"{what:7s} {label:22s} {'identical' if same else 'MISMATCH'} over {len(plain)} tokens "
               f"(drafted {stats.drafted}, accepted {stats.accepted}, tau {stats.tau:.2f}){where}", flush=True)
     return ok
 
@@ -91,17 +96,7 @@ def _seeded_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=0.8, top_k=40, seed=1234, max_tokens=max_tokens, ignore_eos=True)
     plain = [t for s in llm.engine.generate(ids, params) for t in s.token_ids]
-    ok = True
-    for label, drafter, k in _drafters(llm):
-        steps = list(llm.engine.generate(ids, params, drafter, k))
-        spec = [t for s in steps for t in s.token_ids]
-        stats = steps[-1].stats
-        same = spec == plain
-        ok &= same
-        where = "" if same else f" first difference at token {_first_diff(plain, spec)}"
-        print(f"seeded  {label:22s} {'identical' if same else 'MISMATCH'} over {len(plain)} tokens "
-              f"(drafted {stats.drafted}, accepted {stats.accepted}, tau {stats.tau:.2f}){where}", flush=True)
-    return ok
+    return _each_drafter_matches(llm, ids, params, plain, "seeded")
 
 
 def _distribution_check(llm, prompt: str, trials: int) -> bool:  # type: ignore[no-untyped-def]
