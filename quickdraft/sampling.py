@@ -293,8 +293,7 @@ def sample_at(probs: Tensor, seed: int, positions: Sequence[int]) -> Tensor:  # 
     for row, position in enumerate(positions):
         generator.manual_seed(position_seed(seed, position))
         race[row].exponential_(1.0, generator=generator)
-    race.clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs.float() / race).argmax(dim=-1)
+    return _race_winner(probs, race)
 
 
 def sample_tokens(probs: Tensor, generator: torch.Generator) -> Tensor:  # [N, V] -> [N] long
@@ -307,6 +306,11 @@ def sample_tokens(probs: Tensor, generator: torch.Generator) -> Tensor:  # [N, V
     """
     race = torch.empty_like(probs, dtype=torch.float32)  # [N, V]
     race.exponential_(1.0, generator=generator)
+    return _race_winner(probs, race)
+
+
+def _race_winner(probs: Tensor, race: Tensor) -> Tensor:  # [N, V], [N, V] Exp(1) -> [N] long
+    """argmax_v probs_v / E_v per row (``race`` is overwritten)."""
     # Exp(1) may round to 0 in float32; clamping keeps probs / race finite-or-inf, never nan.
     race.clamp_min_(torch.finfo(torch.float32).tiny)
     return (probs.float() / race).argmax(dim=-1)
