@@ -8,6 +8,7 @@ equivalent /v1/chat/completions request: the route is a translation onto the sam
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,10 @@ import openai
 import pytest
 from live_server import Server, running, start_server
 
-pytestmark = pytest.mark.slow
+from quickdraft.server import protocol as p
+from quickdraft.server import responses_api as r
+
+slow = pytest.mark.slow  # the tests on the live server; the translator tests need no model
 
 NAME = "qwen-small"
 ASK = "Write a haiku about the sea."
@@ -67,6 +71,7 @@ def _chat(server: Server, messages: list[dict[str, Any]], **kw: Any) -> Any:
     return server.client().chat.completions.create(**{**args, **kw}).choices[0]
 
 
+@slow
 def test_plain_answers_equal_chat_completions(server: Server) -> None:
     resp = _respond(server)
     chat = _chat(server, [{"role": "user", "content": ASK}])
@@ -103,6 +108,7 @@ def test_plain_answers_equal_chat_completions(server: Server) -> None:
     assert resp.status == ("incomplete" if chat.finish_reason == "length" else "completed")
 
 
+@slow
 def test_stream_events_build_the_same_response(server: Server) -> None:
     whole = _respond(server, instructions=SYSTEM)
     events = list(_respond(server, instructions=SYSTEM, stream=True))
@@ -130,6 +136,7 @@ def test_stream_events_build_the_same_response(server: Server) -> None:
     assert done[-1].type == "response.completed" and done[-1].response.status == "completed"
 
 
+@slow
 def test_function_call_then_its_output(server: Server) -> None:
     ask = "What is the weather in Paris?"
     resp = _respond(server, input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=40)
@@ -183,6 +190,7 @@ def test_function_call_then_its_output(server: Server) -> None:
                                              [o.type for o in resp2.output])
 
 
+@slow
 def test_json_schema_text_format(server: Server) -> None:
     fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
     resp = _respond(server, input="Invent a person.", text=fmt, max_output_tokens=40)
@@ -197,6 +205,7 @@ def test_json_schema_text_format(server: Server) -> None:
     assert resp.output_text == chat.message.content
 
 
+@slow
 def test_previous_response_id_continues_the_conversation(server: Server) -> None:
     first = _respond(server, input="My name is Ada. Say hi.", max_output_tokens=8)
     second = _respond(server, input="What is my name?", previous_response_id=first.id)
@@ -221,6 +230,7 @@ def test_previous_response_id_continues_the_conversation(server: Server) -> None
         server.client().responses.retrieve(first.id)
 
 
+@slow
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -254,6 +264,7 @@ def test_bad_requests_name_the_field(
     assert set(error) == {"message", "type", "param", "code"}
 
 
+@slow
 def test_get_unknown_response_and_openapi(server: Server) -> None:
     resp = httpx.get(f"{server.url}/responses/resp_nothing", timeout=30)
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
@@ -265,6 +276,7 @@ def test_get_unknown_response_and_openapi(server: Server) -> None:
     assert {"input", "instructions", "tools", "text", "previous_response_id"} <= set(props)
 
 
+@slow
 def test_openai_agents_default_responses_model(server: Server) -> None:
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
@@ -284,3 +296,153 @@ def test_openai_agents_default_responses_model(server: Server) -> None:
     )
     assert expected.finish_reason == "stop"
     assert result.final_output == expected.message.content
+
+
+# ------------------------------------------------------------------ the translators, without a model
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None, usage: p.Usage | None = None) -> Any:
+    return p.ChatCompletionChunk(
+        id="chatcmpl-x", created=0, model="m",
+        choices=[p.ChunkChoice(delta=p.Delta.model_validate(delta), finish_reason=finish)],
+        usage=usage,
+    )
+
+
+def _usage() -> p.Usage:
+    return p.Usage(
+        prompt_tokens=10, completion_tokens=5, total_tokens=15,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=4),
+        quickdraft=p.SpecUsage(drafted=0, accepted=0, tau=1.0, tokens_per_second=1.0, ttft_s=0.1),
+    )
+
+
+def _events(chunks: list[Any], fail: Exception | None = None) -> list[dict[str, Any]]:
+    req = r.parse_request({"model": "m", "input": "hi", "tools": [WEATHER]})
+    stream = r.ResponseStream(req, "m")
+
+    async def source() -> Any:
+        for c in chunks:
+            yield c
+        if fail is not None:
+            raise fail
+
+    async def run() -> list[dict[str, Any]]:
+        out = []
+        try:
+            async for ev in stream.events(source()):
+                out.append(ev)
+        except RuntimeError as exc:
+            out.append(stream.error(str(exc)))
+        return out
+
+    return asyncio.run(run())
+
+
+def test_stream_translator_text_then_calls_in_pieces() -> None:
+    def head(i: int, name: str) -> dict[str, Any]:
+        fn = {"name": name, "arguments": ""}
+        return {"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function", "function": fn}]}
+
+    def piece(i: int, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": i, "function": {"arguments": text}}]}
+
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "Let me "}), _chunk({"content": "check."}),
+        _chunk(head(0, "get_weather")),
+        *[_chunk(piece(0, t)) for t in ('{"ci', 'ty": ', '"Par', 'is"}')],
+        _chunk(head(1, "get_weather")), _chunk(piece(1, '{"city": "Rome"}')),
+        _chunk({}, finish="tool_calls", usage=_usage()),
+    ]
+    events = _events(chunks)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.function_call_arguments.delta") == 5
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [json.loads(e["arguments"])["city"] for e in done] == ["Paris", "Rome"]
+    assert [e["output_index"] for e in done] == [1, 2]
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    out = final["response"]["output"]
+    assert [o["type"] for o in out] == ["message", "function_call", "function_call"]
+    assert out[0]["content"][0]["text"] == "Let me check."
+    assert [o["call_id"] for o in out[1:]] == ["call_0", "call_1"]
+    assert final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 4
+    # The SDK reads every event and the final response.
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for ev in events:
+        assert adapter.validate_python(ev).type == ev["type"]
+    assert Response.model_validate(final["response"]).output_text == "Let me check."
+
+
+def test_stream_translator_error_and_empty_answer() -> None:
+    events = _events([_chunk({"role": "assistant", "content": ""}), _chunk({"content": "a"})],
+                     fail=RuntimeError("boom"))
+    assert events[-1]["type"] == "error" and events[-1]["message"] == "boom"
+    assert events[-1]["sequence_number"] == len(events) - 1
+    empty = _events([_chunk({"role": "assistant", "content": ""}),
+                     _chunk({}, finish="stop", usage=_usage())])
+    out = empty[-1]["response"]["output"]
+    assert [o["type"] for o in out] == ["message"] and out[0]["content"][0]["text"] == ""
+
+
+def test_items_become_chat_messages() -> None:
+    req = r.parse_request({
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "a", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "b", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "a", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "b",
+             "output": [{"type": "input_text", "text": "rain"}]},
+        ],
+        "text": {"format": {"type": "json_object"}},
+        "max_output_tokens": 7,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "tools": [WEATHER],
+    })
+    chat = r.to_chat_request(req)
+    msgs = [(m.role, m.content, [c.id for c in m.tool_calls or []], m.tool_call_id)
+            for m in chat.messages]
+    assert msgs == [
+        ("system", "Be brief.", [], None),
+        ("user", "Weather in Paris and Rome?", [], None),
+        ("assistant", "Checking.", ["a", "b"], None),
+        ("tool", "sunny", [], "a"),
+        ("tool", "rain", [], "b"),
+    ]
+    assert chat.max_tokens == 7 and chat.response_format is not None
+    assert chat.response_format.type == "json_object"
+    assert isinstance(chat.tool_choice, p.NamedToolChoice)
+    assert chat.tools is not None and chat.tools[0].function.strict is True
+
+
+def test_whole_response_is_what_the_sdk_reads() -> None:
+    from openai.types.responses import Response
+
+    req = r.parse_request({"model": "m", "input": "hi", "tools": [WEATHER], "max_output_tokens": 5})
+    call = p.ToolCallOut(id="call_1", function=p.FunctionCallOut(name="get_weather", arguments="{}"))
+    for finish, message in (
+        ("length", p.ChatMessageOut(content="cut sho")),
+        ("tool_calls", p.ChatMessageOut(content=None, tool_calls=[call])),
+    ):
+        chat = p.ChatCompletion(
+            id="chatcmpl-x", created=0, model="m", usage=_usage(),
+            choices=[p.ChatChoice(message=message, finish_reason=finish)],
+        )
+        resp = Response.model_validate(r.to_response(req, chat))  # strict: every field checked
+        if finish == "length":
+            assert resp.status == "incomplete" and resp.output_text == "cut sho"
+            assert resp.incomplete_details is not None
+        else:
+            assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"]
+        assert resp.usage is not None and resp.usage.input_tokens_details.cached_tokens == 4

@@ -171,7 +171,8 @@ def parse_request(data: Any) -> ResponsesRequest:
         raise ApiError(400, "input must be a string or a list of items", param="input")
     if isinstance(items, list):
         data = {**data, "input": [_check_item(i, item) for i, item in enumerate(items)]}
-    for i, tool in enumerate(data.get("tools") or []):
+    tools = data.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise ApiError(
@@ -374,7 +375,10 @@ def usage(u: p.Usage | None) -> dict[str, Any] | None:
         return None
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
+        # cache_write_tokens (newer SDKs require it) is not counted by quickdraft: always 0
+        "input_tokens_details": {
+            "cached_tokens": u.prompt_tokens_details.cached_tokens, "cache_write_tokens": 0
+        },
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.total_tokens,
