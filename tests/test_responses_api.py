@@ -297,6 +297,20 @@ def test_openai_agents_default_responses_model(server: Server) -> None:
     assert expected.finish_reason == "stop"
     assert result.final_output == expected.message.content
 
+    async def streamed() -> tuple[str, Any]:
+        fresh = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        model = agents.OpenAIResponsesModel(model=NAME, openai_client=fresh)  # this loop's client
+        run = agents.Runner.run_streamed(agent.clone(model=model), "Say OK.")
+        deltas = [
+            ev.data.delta
+            async for ev in run.stream_events()
+            if ev.type == "raw_response_event" and ev.data.type == "response.output_text.delta"
+        ]
+        return "".join(deltas), run.final_output
+
+    text, final = asyncio.run(streamed())
+    assert text == final == expected.message.content
+
 
 # ------------------------------------------------------------------ the translators, without a model
 
