@@ -554,7 +554,7 @@ def _fuzz_runner(
         if isinstance(case.body, dict) and has_body:
             if mode == GenerationMode.POSITIVE:
                 case.body["model"] = NAME  # else nearly every valid body is a 404
-            for key in ("max_tokens", "max_completion_tokens"):
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 value = case.body.get(key)
                 if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 4):
                     case.body[key] = 4

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API over one :class:`~quickdraft.api.LLM`: FastAPI routes, SSE, errors.
 
-Routes: POST /v1/chat/completions (tool calling included, see :mod:`quickdraft.server.tools`) and
+Routes: POST /v1/chat/completions (tool calling included, see :mod:`quickdraft.server.tools`),
+/v1/responses (OpenAI's Responses API, translated to and from chat, see
+:mod:`quickdraft.server.responses_api`; GET and DELETE /v1/responses/{id} for stored ones) and
 /v1/completions (streamed as server-sent events,
 ``data: {...}\\n\\n`` chunks then ``data: [DONE]\\n\\n``, or whole), GET /v1/models, /health and
 /metrics (Prometheus). Requests are checked here, before they queue (model name, fields, prompt
@@ -39,6 +41,7 @@ from quickdraft.engine import TokenLogprob as EngineLogprob
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import protocol as p
+from quickdraft.server import responses_api as r
 from quickdraft.server.grammar import ANY_JSON_OBJECT, GrammarCompiler
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.protocol import ApiError, error_body
@@ -77,6 +80,7 @@ class _Server:
     tool_format: ToolFormat | None = None  # how this model writes tool calls; None = it cannot
     tool_parser: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: r.ResponseStore = field(default_factory=r.ResponseStore)  # for /v1/responses
 
     @property
     def context(self) -> int:
@@ -329,6 +333,35 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
             return _sse(_completion_events(server, job, echo, req.include_usage()))
         steps = await _collect(request, job)
         return JSONResponse(_completion_response(server, steps, echo).model_dump())
+
+    @app.post("/v1/responses", openapi_extra=_body_doc(r.ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        req = r.parse_request(await _read_json(request))
+        server.check_model(req.model)
+        history = server.responses.history(req)
+        chat_req = r.to_chat_request(req, history)
+        prepared = await asyncio.to_thread(_prepare_chat, server, chat_req)
+        job = _submit(server, prepared)
+
+        def store(response: dict[str, Any]) -> None:
+            if req.store is not False:
+                server.responses.put(req, response, history)
+
+        if req.stream:
+            return _sse(_response_events(server, job, prepared, req, store))
+        steps = await _collect(request, job)
+        response = r.to_response(req, _chat_response(server, steps, prepared))
+        store(response)
+        return JSONResponse(response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return server.responses.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        server.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def _card(server: _Server, name: str) -> p.ModelCard:
@@ -620,6 +653,32 @@ def _chat_events(
         yield _DONE
 
     return _guarded(job, events)
+
+
+def _response_events(
+    server: _Server,
+    job: Job,
+    prepared: _Prepared,
+    req: r.ResponsesRequest,
+    on_done: Callable[[dict[str, Any]], None],
+) -> AsyncIterator[str]:
+    """The chat chunks as the Responses API's typed events; an error mid-stream becomes an
+    ``error`` event; leaving cancels the job."""
+    stream = r.ResponseStream(req, server.name)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for event in stream.events(_chat_chunks(server, job, prepared), on_done):
+                yield r.sse(event)
+        except QuickdraftError as exc:
+            yield r.sse(stream.error(str(exc)))
+        except Exception as exc:
+            log.error("stream failed", exc_info=exc)
+            yield r.sse(stream.error(f"internal server error ({type(exc).__name__})", "server_error"))
+        finally:
+            job.cancel()
+
+    return events()
 
 
 def _completion_events(
