@@ -313,7 +313,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
     @app.post("/v1/messages", openapi_extra=_body_doc(m.MessagesRequest, anthropic=True))
     async def messages(request: Request) -> Response:
-        body = p.parse_request(m.MessagesRequest, await _read_json(request))
+        body = m.parse_body(m.MessagesRequest, await _read_json(request))
         req = m.to_chat_request(body)
         server.check_model(req.model)
         prepared = await asyncio.to_thread(_prepare_chat, server, req)
@@ -336,7 +336,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         openapi_extra=_body_doc(m.CountTokensRequest, anthropic=True, answer="{input_tokens: N}"),
     )
     async def count_tokens(request: Request) -> Response:
-        body = p.parse_request(m.CountTokensRequest, await _read_json(request))
+        body = m.parse_body(m.CountTokensRequest, await _read_json(request))
         req = m.to_chat_request(body)
         server.check_model(req.model)
         ids, _fmt = await asyncio.to_thread(_render_chat, server, req)

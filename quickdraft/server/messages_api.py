@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from quickdraft.server import protocol as p
 from quickdraft.server.protocol import ApiError, _Lenient
+
+_BLOCK_TYPES = ("text", "tool_use", "tool_result")
 
 # ------------------------------------------------------------------------------------ requests
 
@@ -52,13 +54,8 @@ class ToolUseBlock(_Lenient):
 class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: str | list[TextBlock] | None = None
+    content: list[TextBlock] | str | None = None
     is_error: bool = False
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        return _check_blocks(value, ("text",))
 
     def text(self) -> str:
         content = self.content or ""
@@ -81,17 +78,22 @@ def _check_blocks(value: Any, allowed: tuple[str, ...]) -> Any:
         if kind not in allowed:
             hint = _BLOCK_HINTS.get(kind, f"send {', '.join(allowed)} blocks")
             raise ValueError(f"block {i} has type {kind!r}, which is not supported here: {hint}")
+        if kind == "tool_result":  # here, not in its own validator: a union error would hide it
+            try:
+                _check_blocks(block.get("content"), ("text",))
+            except ValueError as exc:
+                raise ValueError(f"block {i} (tool_result) content: {exc}") from None
     return value
 
 
 class MessageParam(_Lenient):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: list[Block] | str
 
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, value: Any) -> Any:
-        return _check_blocks(value, ("text", "tool_use", "tool_result"))
+        return _check_blocks(value, _BLOCK_TYPES)
 
 
 class Tool(_Lenient):
@@ -117,7 +119,7 @@ class _MessagesBase(_Lenient):
 
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
+    system: list[TextBlock] | str | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
@@ -142,6 +144,30 @@ class MessagesRequest(_MessagesBase):
 
 class CountTokensRequest(_MessagesBase):
     """The body of ``POST /v1/messages/count_tokens``."""
+
+
+M = TypeVar("M", bound=_MessagesBase)
+
+
+def parse_body(model: type[M], data: Any) -> M:
+    """Validate a decoded body; the first problem becomes a 400 naming the field as the client
+    wrote it (``messages.0.content.1.id``, without pydantic's union branch labels)."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc: list[str] = []
+        parts = err["loc"]
+        for k, part in enumerate(parts):
+            label = isinstance(part, str) and ("[" in part or part in ("str", "int"))
+            tag = part in _BLOCK_TYPES and k > 0 and isinstance(parts[k - 1], int)  # the union's tag
+            if not (label or tag):
+                loc.append(str(part))
+        param = ".".join(loc) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
 
 
 # -------------------------------------------------------------------- Messages -> chat request
