@@ -112,6 +112,8 @@ def test_request_translates_to_the_chat_request() -> None:
         {"role": "system", "content": "sys"}, {"role": "user", "content": ASK[0]["content"]}
     ]
     assert plain.tools is None and plain.tool_choice is None and plain.stop is None
+    structured = {"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}
+    assert m.to_chat_request(_request(output_config=structured)).json_schema() == (True, {"type": "object"})
     counted = m.to_chat_request(m.parse_body(m.CountTokensRequest, {"model": "x", "messages": ASK}))
     assert counted.max_tokens is None
 
@@ -316,8 +318,11 @@ def _client(server: Server, key: str = KEY) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.root, api_key=key, max_retries=0, timeout=120)
 
 
+GREEDY = {"extra_body": {"temperature": 0}}  # the 2.x SDK has no temperature argument any more
+
+
 def _create(server: Server, **kw: Any) -> Any:
-    args: dict[str, Any] = {"model": NAME, "max_tokens": 12, "temperature": 0, "messages": ASK, **kw}
+    args: dict[str, Any] = {"model": NAME, "max_tokens": 12, "messages": ASK, **GREEDY, **kw}
     return _client(server).messages.create(**args)
 
 
@@ -338,7 +343,7 @@ def test_messages_equal_chat_completions(server: Server) -> None:
 
     # Streamed: the same text through the SDK's stream helper, and as raw events.
     with _client(server).messages.stream(
-        model=NAME, max_tokens=12, temperature=0, system=system, messages=ASK  # type: ignore[arg-type]
+        model=NAME, max_tokens=12, system=system, messages=ASK, **GREEDY  # type: ignore[arg-type]
     ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -358,7 +363,7 @@ def test_messages_equal_chat_completions(server: Server) -> None:
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert stopped.content[0].text == text[: text.index(word)]
     with _client(server).messages.stream(
-        model=NAME, max_tokens=12, temperature=0, system=system, messages=ASK,  # type: ignore[arg-type]
+        model=NAME, max_tokens=12, system=system, messages=ASK, **GREEDY,  # type: ignore[arg-type]
         stop_sequences=[word],
     ) as stream:
         final = stream.get_final_message()
@@ -383,7 +388,7 @@ def test_forced_tool_call_and_the_follow_up_turn(server: Server) -> None:
     )
     assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == call.input  # type: ignore[index]
     with _client(server).messages.stream(
-        model=NAME, max_tokens=40, temperature=0, messages=ASK, tools=[WEATHER], tool_choice=choice,  # type: ignore[arg-type]
+        model=NAME, max_tokens=40, messages=ASK, tools=[WEATHER], **GREEDY, tool_choice=choice,  # type: ignore[arg-type]
     ) as stream:
         final = stream.get_final_message()
     streamed = [b for b in final.content if b.type == "tool_use"]

@@ -114,6 +114,16 @@ class ThinkingConfig(_Lenient):
     budget_tokens: int | None = None
 
 
+class OutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Lenient):
+    effort: str | None = None  # accepted, no effect
+    format: OutputFormat | None = None  # structured output: the answer is JSON of this schema
+
+
 class _MessagesBase(_Lenient):
     """What a Messages request and a count_tokens request share."""
 
@@ -140,6 +150,7 @@ class MessagesRequest(_MessagesBase):
     top_k: int | None = Field(default=None, ge=0)
     stream: bool | None = False
     metadata: dict[str, Any] | None = None  # accepted, not used
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(_MessagesBase):
@@ -241,6 +252,9 @@ def to_chat_request(req: _MessagesBase) -> p.ChatCompletionRequest:
         if req.stop_sequences:
             body["stop"] = list(req.stop_sequences)
         body["stream"] = bool(req.stream)
+        if req.output_config is not None and req.output_config.format is not None:
+            schema = req.output_config.format.schema_
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     return p.parse_request(p.ChatCompletionRequest, body)
 
 
