@@ -304,6 +304,32 @@ def test_error_bodies() -> None:
     assert m.sse({"type": "ping"}) == 'event: ping\ndata: {"type": "ping"}\n\n'
 
 
+def test_an_error_mid_stream_becomes_an_error_event() -> None:
+    from quickdraft.errors import QuickdraftError
+    from quickdraft.server.app import _messages_guarded
+
+    class FakeJob:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        yield {"type": "ping"}
+        raise QuickdraftError("the generation was cut short")
+
+    async def run(job: Any) -> list[str]:
+        return [e async for e in _messages_guarded(job, events())]
+
+    job = FakeJob()
+    wire = asyncio.run(run(job))
+    assert wire[0].startswith("event: ping\n") and job.cancelled
+    assert wire[1].startswith("event: error\ndata: ")
+    assert json.loads(wire[1].split("data: ", 1)[1]) == {
+        "type": "error", "error": {"type": "api_error", "message": "the generation was cut short"}
+    }
+
+
 # ------------------------------------------------------------------------------- a live server
 
 
