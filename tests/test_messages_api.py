@@ -112,6 +112,7 @@ def test_request_translates_to_the_chat_request() -> None:
         {"role": "system", "content": "sys"}, {"role": "user", "content": ASK[0]["content"]}
     ]
     assert plain.tools is None and plain.tool_choice is None and plain.stop is None
+    assert m.to_chat_request(_request(tool_choice={"type": "auto"}, thinking={"type": "disabled"})).tool_choice is None
     structured = {"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}
     assert m.to_chat_request(_request(output_config=structured)).json_schema() == (True, {"type": "object"})
     counted = m.to_chat_request(m.parse_body(m.CountTokensRequest, {"model": "x", "messages": ASK}))
@@ -155,6 +156,7 @@ def test_bad_bodies_are_refused_naming_the_field(body: dict[str, Any], needle: s
             {"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]}, "belong in assistant"),
         ({"messages": [*ASK, {"role": "assistant", "content": "Sure"}]}, "prefilling"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"thinking": {"type": "adaptive"}}, "thinking"),
         ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "server tools"),
         ({"tools": [{"name": "f"}]}, "input_schema"),

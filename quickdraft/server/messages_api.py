@@ -110,7 +110,7 @@ class ToolChoice(_Lenient):
 
 
 class ThinkingConfig(_Lenient):
-    type: Literal["enabled", "disabled"]
+    type: str  # "enabled", "adaptive" (refused) or "disabled"
     budget_tokens: int | None = None
 
 
@@ -187,7 +187,7 @@ def parse_body(model: type[M], data: Any) -> M:
 def to_chat_request(req: _MessagesBase) -> p.ChatCompletionRequest:
     """The chat completion request that asks the same thing (``max_tokens`` None for a
     count_tokens request). Raises :class:`ApiError` (400) for what cannot be translated."""
-    if req.thinking is not None and req.thinking.type == "enabled":
+    if req.thinking is not None and req.thinking.type != "disabled":
         raise ApiError(
             400,
             "thinking: extended thinking is not supported by quickdraft; leave `thinking` out "
@@ -242,8 +242,8 @@ def to_chat_request(req: _MessagesBase) -> p.ChatCompletionRequest:
             }
             for t in req.tools
         ]
-    if req.tool_choice is not None:
-        body.update(_tool_choice(req.tool_choice))
+    if req.tool_choice is not None and (req.tools or req.tool_choice.type != "auto"):
+        body.update(_tool_choice(req.tool_choice))  # auto without tools: nothing to choose
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
         body["temperature"] = req.temperature
