@@ -564,8 +564,12 @@ def _fuzz_runner(
         if response.status_code >= 500:
             bad.append(f"{op.label} {case.body!r:.300} -> {response.status_code} {response.text:.300}")
         elif response.status_code >= 400 and response.status_code != 405:
-            error = response.json().get("error", {})
-            if set(error) != {"message", "type", "param", "code"}:
+            body = response.json()
+            error = body.get("error", {})
+            if op.path.startswith("/v1/messages"):  # Anthropic's Messages API: its error shape
+                if body.get("type") != "error" or set(error) != {"message", "type"}:
+                    bad.append(f"{op.label} {case.body!r:.300}: not an Anthropic error: {response.text:.300}")
+            elif set(error) != {"message", "type", "param", "code"}:
                 bad.append(f"{op.label} {case.body!r:.300}: not an OpenAI error: {response.text:.300}")
 
     return run
@@ -580,7 +584,10 @@ def test_fuzzed_requests_never_get_a_server_error(spec: Server) -> None:
     status: dict[str, dict[int, int]] = {}  # operation -> status -> count
     bad: list[str] = []
     operations = [op.ok() for op in schema.get_all_operations()]
-    assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions"}
+    assert {op.label for op in operations} >= {
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
+    }
     for op in operations:
         modes = [GenerationMode.POSITIVE]
         if op.method.upper() == "POST":  # GETs take nothing that could be invalid

@@ -2,7 +2,9 @@
 
 Routes: POST /v1/chat/completions (tool calling included, see :mod:`quickdraft.server.tools`),
 /v1/responses (OpenAI's Responses API, translated to and from chat, see
-:mod:`quickdraft.server.responses_api`; GET and DELETE /v1/responses/{id} for stored ones) and
+:mod:`quickdraft.server.responses_api`; GET and DELETE /v1/responses/{id} for stored ones),
+/v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, translated to and from the
+chat route by :mod:`quickdraft.server.messages_api`; its errors are in Anthropic's shape) and
 /v1/completions (streamed as server-sent events,
 ``data: {...}\\n\\n`` chunks then ``data: [DONE]\\n\\n``, or whole), GET /v1/models, /health and
 /metrics (Prometheus). Requests are checked here, before they queue (model name, fields, prompt
@@ -21,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +42,7 @@ from quickdraft.engine import RequestStats, StepOutput
 from quickdraft.engine import TokenLogprob as EngineLogprob
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
+from quickdraft.server import messages_api as m
 from quickdraft.server import protocol as p
 from quickdraft.server import responses_api as r
 from quickdraft.server.grammar import ANY_JSON_OBJECT, GrammarCompiler
@@ -162,10 +165,17 @@ def _error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+def _anthropic_error(path: str, status: int, message: str, headers: Any = None) -> Response | None:
+    """The error in Anthropic's shape on the Messages API's routes; None elsewhere."""
+    if not m.is_messages_path(path):
+        return None
+    return JSONResponse(m.error_body(status, message), status_code=status, headers=headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    async def api_error(_request: Request, exc: Exception) -> Response:
+    async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return _error_response(exc)
+        return _anthropic_error(request.url.path, exc.status, exc.message) or _error_response(exc)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -180,17 +190,21 @@ def _add_error_handlers(app: FastAPI) -> None:
             code = "method_not_allowed"
             allowed = (headers or {}).get("Allow", "")
             message = f"method {request.method} is not allowed on {request.url.path}; allowed: {allowed}"
-        return JSONResponse(
+        return _anthropic_error(request.url.path, exc.status_code, message, headers) or JSONResponse(
             error_body(message, code=code), status_code=exc.status_code, headers=headers
         )
 
-    async def validation_error(_request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(str(exc)), status_code=400)
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        return _anthropic_error(request.url.path, 400, str(exc)) or JSONResponse(
+            error_body(str(exc)), status_code=400
+        )
 
-    async def internal_error(_request: Request, exc: Exception) -> Response:
+    async def internal_error(request: Request, exc: Exception) -> Response:
         log.error("internal error", exc_info=exc)
-        body = error_body(f"internal server error ({type(exc).__name__})", "server_error")
-        return JSONResponse(body, status_code=500)
+        message = f"internal server error ({type(exc).__name__})"
+        return _anthropic_error(request.url.path, 500, message) or JSONResponse(
+            error_body(message, "server_error"), status_code=500
+        )
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -217,22 +231,27 @@ def _matches_a_route(request: Request) -> bool:
 
 
 class _ApiKeyMiddleware:
-    """Every HTTP route but /health needs ``Authorization: Bearer <key>``."""
+    """Every HTTP route but /health needs ``Authorization: Bearer <key>`` or (Anthropic's
+    clients) ``x-api-key: <key>``."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.expected = b"Bearer " + self.key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                err = ApiError(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key",
+            headers = dict(scope["headers"])
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+            x_api_key = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not (bearer or x_api_key):
+                message = (
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                    "or 'x-api-key: <key>'."
                 )
-                await _error_response(err)(scope, receive, send)
+                err = ApiError(401, message, code="invalid_api_key")
+                response = _anthropic_error(scope["path"], 401, message) or _error_response(err)
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -334,6 +353,37 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         steps = await _collect(request, job)
         return JSONResponse(_completion_response(server, steps, echo).model_dump())
 
+    @app.post("/v1/messages", openapi_extra=_body_doc(m.MessagesRequest, anthropic=True))
+    async def messages(request: Request) -> Response:
+        body = m.parse_body(m.MessagesRequest, await _read_json(request))
+        req = m.to_chat_request(body)
+        server.check_model(req.model)
+        prepared = await asyncio.to_thread(_prepare_chat, server, req)
+        stops = tuple(body.stop_sequences or ())
+        if body.stream:
+            job = _TappedJob.of(_submit(server, prepared))
+            events = m.to_events(
+                _chat_chunks(server, job, prepared),
+                len(prepared.prompt_ids),
+                lambda: _matched_stop(server, job.ids, stops),
+            )
+            return _sse(_messages_guarded(job, events))
+        steps = await _collect(request, _submit(server, prepared))
+        chat = _chat_response(server, steps, prepared)
+        matched = _matched_stop(server, [t for s in steps for t in s.token_ids], stops)
+        return JSONResponse(m.to_message(chat, matched))
+
+    @app.post(
+        "/v1/messages/count_tokens",
+        openapi_extra=_body_doc(m.CountTokensRequest, anthropic=True, answer="{input_tokens: N}"),
+    )
+    async def count_tokens(request: Request) -> Response:
+        body = m.parse_body(m.CountTokensRequest, await _read_json(request))
+        req = m.to_chat_request(body)
+        server.check_model(req.model)
+        ids, _fmt = await asyncio.to_thread(_render_chat, server, req)
+        return JSONResponse({"input_tokens": len(ids)})
+
     @app.post("/v1/responses", openapi_extra=_body_doc(r.ResponsesRequest))
     async def responses(request: Request) -> Response:
         req = r.parse_request(await _read_json(request))
@@ -379,10 +429,12 @@ def _submit(server: _Server, prepared: _Prepared) -> Job:
 # ------------------------------------------------------------------------ request -> engine inputs
 
 
-def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
+def _render_chat(server: _Server, req: p.ChatCompletionRequest) -> tuple[list[int], ToolFormat | None]:
+    """The request checked and its prompt rendered by the chat template: (prompt ids, the format
+    to parse tool calls in, None when no tools are offered)."""
     req.check_supported()
     req.check_tools()
-    messages = [m.to_template() for m in req.messages]
+    messages = [msg.to_template() for msg in req.messages]
     use_tools = bool(req.tools) and req.tool_choice != "none"
     fmt = _tool_format(server) if use_tools else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
@@ -390,6 +442,11 @@ def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
         ids = server.llm.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
     except QuickdraftError as exc:
         raise ApiError(400, str(exc), param="messages") from None
+    return ids, fmt
+
+
+def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
+    ids, fmt = _render_chat(server, req)
     max_tokens = _max_tokens(server, len(ids), req.requested_max_tokens(), "messages")
     params = req.sampling_params(max_tokens, req.engine_logprobs(), _vocab(server))
     constraint = _tool_constraint(server, req, fmt) if fmt is not None else None
@@ -590,6 +647,49 @@ async def _guarded(job: Job, events: Callable[[], AsyncIterator[str]]) -> AsyncI
         yield _DONE
     finally:
         job.cancel()
+
+
+async def _messages_guarded(job: Job, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The Messages API's events on the wire; an error mid-stream becomes Anthropic's error event
+    (the status line is sent already); leaving cancels the job."""
+    try:
+        async for event in events:
+            yield m.sse(event)
+    except Exception as exc:
+        if not isinstance(exc, QuickdraftError):
+            log.error("stream failed", exc_info=exc)
+        message = str(exc) if isinstance(exc, QuickdraftError) else f"internal server error ({type(exc).__name__})"
+        yield m.sse(m.error_body(500, message))
+    finally:
+        job.cancel()
+
+
+@dataclass
+class _TappedJob(Job):
+    """A job read through this view records its tokens (to tell which stop sequence ended it);
+    it shares the job's queue and cancel flag."""
+
+    ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, job: Job) -> _TappedJob:
+        return cls(**{f.name: getattr(job, f.name) for f in fields(job)})
+
+    async def steps(self) -> AsyncIterator[StepOutput]:
+        async for step in super().steps():
+            self.ids.extend(step.token_ids)
+            yield step
+
+
+def _matched_stop(server: _Server, ids: list[int], stops: tuple[str, ...]) -> str | None:
+    """The stop sequence that ended an output of ``ids``, None when none did. A stop sequence
+    ends the output on the token completing it (an end-of-sequence or stop token ends it
+    otherwise); the earliest in the text is the one that matched."""
+    if not stops or not ids or ids[-1] in server.llm.tokenizer.eos_ids:
+        return None
+    text = server.llm.tokenizer.decode(ids)
+    hits = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+    return stops[min(hits)[1]] if hits else None
 
 
 def _ids() -> tuple[str, int]:
@@ -818,11 +918,15 @@ def _finish_reason(engine_reason: str | None, n_calls: int) -> str | None:
 # --------------------------------------------------------------------------------------- OpenAPI
 
 
-def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+def _body_doc(
+    model: type[BaseModel],
+    anthropic: bool = False,
+    answer: str = "the completion, or with stream: true a text/event-stream of chunks",
+) -> dict[str, Any]:
     """``openapi_extra`` of a route that reads its body itself: the body's schema (the pydantic
-    model it is validated with) and the error answers."""
+    model it is validated with) and the error answers (``anthropic``: in Anthropic's shape)."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    error = {"$ref": f"#/components/schemas/{'Anthropic' if anthropic else ''}ErrorResponse"}
     errors = {
         str(code): {"description": what, "content": {"application/json": {"schema": error}}}
         for code, what in (
@@ -840,7 +944,7 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
         },
         "responses": {
             "200": {
-                "description": "the completion, or with stream: true a text/event-stream of chunks",
+                "description": answer,
                 "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
             },
             **errors,
@@ -882,6 +986,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             }
         },
     }
+    components["AnthropicErrorResponse"] = m.ERROR_SCHEMA
     app.openapi_schema = doc
     return doc
 
