@@ -219,6 +219,13 @@ def test_previous_response_id_continues_the_conversation(server: Server) -> None
     assert second.previous_response_id == first.id
     got = server.client().responses.retrieve(first.id)
     assert got.id == first.id and got.output_text == first.output_text
+    # the second response's input: the first turn, its answer, the second turn (newest first)
+    listed = server.client().responses.input_items.list(second.id)
+    texts = [item.content[0].text for item in listed.data]
+    assert texts == ["What is my name?", first.output_text, "My name is Ada. Say hi."]
+    assert [item.role for item in listed.data] == ["user", "assistant", "user"]
+    page = server.client().responses.input_items.list(second.id, order="asc", limit=1)
+    assert [item.content[0].text for item in page.data] == ["My name is Ada. Say hi."] and page.has_more
     # store: false keeps nothing; an unknown id is a 404 naming the field.
     unstored = _respond(server, store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
@@ -246,6 +253,9 @@ def test_previous_response_id_continues_the_conversation(server: Server) -> None
         ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
         ({"input": "hi", "conversation": "conv_1"}, 400, "conversation"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include[0]"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content", "x.y"]}, 400, "include[1]"),
+        ({"input": "hi", "text": {"verbosity": "low"}}, 400, "text.verbosity"),
         ({"input": [{"role": "user"}]}, 400, "input[0].content"),
         ({"input": 3}, 400, "input"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -460,3 +470,12 @@ def test_whole_response_is_what_the_sdk_reads() -> None:
         else:
             assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"]
         assert resp.usage is not None and resp.usage.input_tokens_details.cached_tokens == 4
+
+
+def test_includes_that_add_nothing_are_accepted() -> None:
+    """Values naming output this server never produces (reasoning, hosted tools) are no-ops."""
+    req = r.parse_request(
+        {"model": "m", "input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"],
+         "text": {"verbosity": "medium"}}
+    )
+    assert req.include == ["reasoning.encrypted_content", "file_search_call.results"]

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions (tool calling included, see :mod:`quickdraft.server.tools`),
 /v1/responses (OpenAI's Responses API, translated to and from chat, see
-:mod:`quickdraft.server.responses_api`; GET and DELETE /v1/responses/{id} for stored ones),
+:mod:`quickdraft.server.responses_api`; GET and DELETE /v1/responses/{id} and GET
+/v1/responses/{id}/input_items for stored ones),
 /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, translated to and from the
 chat route by :mod:`quickdraft.server.messages_api`; its errors are in Anthropic's shape) and
 /v1/completions (streamed as server-sent events,
@@ -407,6 +408,12 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         return server.responses.get(response_id)[0]
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict[str, Any]:
+        return server.responses.input_items(response_id, order, limit, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:

@@ -137,7 +137,7 @@ class ResponsesRequest(_Lenient):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    include: list[str] | None = None  # nothing extra to include: reasoning is not produced
+    include: list[str] | None = None  # only values with nothing to add here (see _HARMLESS_INCLUDES)
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = Field(
         default=None, description="refused unless empty: no reasoning is produced"
@@ -153,6 +153,39 @@ _REFUSED = {
     "top_logprobs": "top_logprobs is not supported on /v1/responses; use /v1/chat/completions",
     "max_tool_calls": "max_tool_calls is not supported",
 }
+# ``include`` values that add nothing to what this server answers: no reasoning items and none of
+# the hosted tools' calls (those tools are refused) are ever produced. Others are refused.
+_HARMLESS_INCLUDES = (
+    "reasoning.encrypted_content",
+    "code_interpreter_call.outputs",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "computer_call_output.output.image_url",
+)
+
+
+def _check_include_and_text(data: dict[str, Any]) -> None:
+    include = data.get("include")
+    for i, value in enumerate(include if isinstance(include, list) else []):
+        if value == "message.output_text.logprobs":
+            raise ApiError(
+                400,
+                "include message.output_text.logprobs is not supported on /v1/responses; "
+                "use /v1/chat/completions with logprobs",
+                param=f"include[{i}]",
+            )
+        if value not in _HARMLESS_INCLUDES:
+            raise ApiError(400, f"include[{i}]: unknown value {value!r}", param=f"include[{i}]")
+    text = data.get("text")
+    verbosity = text.get("verbosity") if isinstance(text, dict) else None
+    if verbosity not in (None, "medium"):
+        raise ApiError(
+            400,
+            f"text.verbosity {verbosity!r} is not supported: the model has no verbosity control; "
+            "leave it unset (or medium) and ask for a shorter or longer answer in the instructions",
+            param="text.verbosity",
+        )
 
 
 def parse_request(data: Any) -> ResponsesRequest:
@@ -166,6 +199,7 @@ def parse_request(data: Any) -> ResponsesRequest:
             key == "reasoning" and isinstance(value, dict) and all(v is None for v in value.values())
         ):
             raise ApiError(400, why, param=key)
+    _check_include_and_text(data)
     items = data.get("input")
     if items is not None and not isinstance(items, (str, list)):
         raise ApiError(400, "input must be a string or a list of items", param="input")
@@ -610,19 +644,35 @@ class ResponseStream:
 # ---------------------------------------------------------------------------------- the store
 
 
+def _listed_item(item_id: str, item: InputItem) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": item_id, **item.model_dump(exclude_none=True)}
+    if isinstance(item, MessageItem):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": item.text()}
+        if kind == "output_text":
+            part["annotations"] = []
+        body["content"] = [part]
+        body["status"] = "completed"
+    elif isinstance(item, FunctionCallItem):
+        body["status"] = "completed"
+    return body
+
+
 class ResponseStore:
     """The last :data:`MAX_STORED` finished responses (least recently used dropped first), each
     with the conversation it ends: its input items (after its own history) and output items."""
 
     def __init__(self, capacity: int = MAX_STORED) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[InputItem]]] = OrderedDict()
+        # id -> (the response, its conversation's items, how many of them were its input)
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[InputItem], int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, req: ResponsesRequest, response: dict[str, Any], history: list[InputItem]) -> None:
         items = [*history, *input_items(req)]
+        inputs = len(items)
         for out in response["output"]:
             if out["type"] == "message":
                 items.append(
@@ -634,7 +684,7 @@ class ResponseStore:
                         call_id=out["call_id"], name=out["name"], arguments=out["arguments"]
                     )
                 )
-        self._items[response["id"]] = (response, items)
+        self._items[response["id"]] = (response, items, inputs)
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
@@ -650,7 +700,35 @@ class ResponseStore:
                 code="response_not_found",
             )
         self._items.move_to_end(response_id)
-        return found
+        return found[0], found[1]
+
+    def input_items(
+        self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the items the response was made from (those of
+        the responses before it included), as OpenAI lists them, newest first unless ``order`` is asc."""
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be asc or desc (got {order!r})", param="order")
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"limit must be between 1 and 100 (got {limit})", param="limit")
+        self.get(response_id)
+        _response, items, inputs = self._items[response_id]
+        listed = [_listed_item(f"item_{response_id.removeprefix('resp_')}_{i}", it) for i, it in enumerate(items[:inputs])]
+        if order == "desc":
+            listed.reverse()
+        if after is not None:
+            at = next((i for i, it in enumerate(listed) if it["id"] == after), None)
+            if at is None:
+                raise ApiError(400, f"after: no item {after!r} in this response's input", param="after")
+            listed = listed[at + 1 :]
+        page = listed[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(listed) > limit,
+        }
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
