@@ -116,6 +116,12 @@ STREAM_CASES = [
     (LLAMA, "Plain words {with braces}."),
     (MISTRAL, 'Ok [TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "2"}}]'),
     (MISTRAL, "text with [TOOL but no calls"),
+    (MISTRAL, '[TOOL_CALLS][{"name": "calc", "arguments": {"expression":"2"}},{"name": "lookup", "arguments": {}}]'),
+    (MISTRAL, '[TOOL_CALLS] {"arguments": {"expression": "2"}, "name": "calc"}'),
+    (MISTRAL, '[TOOL_CALLS] [{"name": "calc", "arguments": {"expression": "2"'),  # cut short
+    (LLAMA, '{"name": "calc", "parameters": {"expression": "1"}}; {"name": "lookup", "parameters": {"city": "X"}}'),
+    (LLAMA, '{"name": "Ada", "age": 36}'),
+    (LLAMA, '<|python_tag|>{"name": "calc", "parameters": {"expression": "1"'),  # cut short
     (HERMES, '  {"name": "lookup", "arguments": {"city": "Oslo"}}'),
     (HERMES, '```json\n{"name": "calc", "arguments": {"expression": "1"}}\n```'),
     (HERMES, '{"name": "Ada", "age": 36}'),
@@ -352,3 +358,36 @@ def test_streamed_arguments_arrive_in_pieces_and_equal_the_whole_parse() -> None
     stream.push(text[: text.index(long) + 50])
     head, *pieces = stream.take_deltas()
     assert head.name == "lookup" and pieces and "".join(d.arguments for d in pieces).endswith("x" * 50)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "opening", "closing"),
+    [
+        (LLAMA, '<|python_tag|>{"name": "lookup", "parameters": ', '}; {"name": "calc", "parameters": {"expression": "1"}}'),
+        (MISTRAL, 'On it. [TOOL_CALLS] [{"name": "lookup", "arguments": ', '}, {"name": "calc", "arguments": {"expression": "1"}}]'),
+    ],
+)
+def test_llama3_and_mistral_stream_the_first_calls_arguments(fmt: object, opening: str, closing: str) -> None:
+    """The first call's head as soon as its arguments open, its arguments in pieces (the model's
+    own text, as the whole parse returns it), later calls whole at the end."""
+    args = '{"city": "' + "y" * 120 + '", "n": [1, {"a": "}"}]}'
+    text = opening + args + closing
+    whole = parse_output(fmt, text, NAMES)  # type: ignore[arg-type]
+    assert [c.arguments for c in whole.calls] == [args, '{"expression": "1"}']
+    stream = ToolStream(fmt, NAMES)  # type: ignore[arg-type]
+    deltas, content = [], ""
+    for i in range(0, len(text), 5):
+        content += stream.push(text[i : i + 5])[0]
+        deltas += stream.take_deltas()
+        if i + 5 == len(opening) + 60:  # mid-arguments: the head and some pieces are out
+            assert deltas[0].name == "lookup" and len(deltas) > 2
+    out, calls = stream.finish()
+    deltas += stream.take_deltas()
+    assert (content + out).strip() == whole.content.strip()
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+    assert [d.id for d in deltas if d.id] == [c.id for c in calls]
+    for index, call in enumerate(whole.calls):
+        mine = [d for d in deltas if d.index == index]
+        assert mine[0].name == call.name and mine[0].arguments == ""
+        assert "".join(d.arguments for d in mine) == call.arguments
+    assert len([d for d in deltas if d.index == 0]) > 10

@@ -172,14 +172,31 @@ def bare_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
     return calls
 
 
-# A hermes call object's opening up to its arguments object, as models write it (name first).
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)+")\s*,\s*"arguments"\s*:\s*(?=\{)')
+# A call object's opening up to its arguments object, as models write it (name first; Llama 3
+# names the arguments "parameters").
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)+")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+def _element_texts(body: str) -> list[str]:
+    """The text of each element of the JSON list ``body`` (already known to parse)."""
+    decoder, pos = json.JSONDecoder(), body.index("[") + 1
+    texts: list[str] = []
+    while True:
+        while body[pos] in " \t\r\n,":
+            pos += 1
+        if body[pos] == "]":
+            return texts
+        _value, end = decoder.raw_decode(body, pos)
+        texts.append(body[pos:end])
+        pos = end
 
 
 def _raw_arguments(body: str, call: ToolCall) -> ToolCall:
     """The call with its arguments as the model wrote them (the text of the arguments object,
-    which streaming sends piece by piece) when the block is ``{"name": ..., "arguments": {...}}``."""
-    head = _HERMES_HEAD.match(body)
+    which streaming sends piece by piece) when the object is ``{"name": ..., "arguments": {...}}``."""
+    head = _CALL_HEAD.match(body)
     if head is None:
         return call
     try:
@@ -249,7 +266,8 @@ class Llama3JsonFormat(ToolFormat):
                 raise Malformed(f"a tool call is not JSON: {body[pos:]!r:.200}") from None
             if not calls and not (isinstance(obj, dict) and "name" in obj):
                 return Parsed(text, [])  # a JSON answer, not a call
-            calls.append(_call_from_object(obj, ("parameters", "arguments")))
+            call = _call_from_object(obj, ("parameters", "arguments"))
+            calls.append(_raw_arguments(body[pos:end], call))
             pos = end
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
@@ -273,11 +291,15 @@ class MistralFormat(ToolFormat):
             objs = json.loads(body)
         except ValueError:
             raise Malformed(f"[TOOL_CALLS] is not followed by JSON: {body!r:.200}") from None
+        texts = [body] if isinstance(objs, dict) else None
         if isinstance(objs, dict):
             objs = [objs]
         if not isinstance(objs, list) or not objs:
             raise Malformed(f"[TOOL_CALLS] must be followed by a list of calls: {body!r:.200}")
+        texts = texts or _element_texts(body)
         calls = [_call_from_object(o, ("arguments", "parameters")) for o in objs]
+        if len(texts) == len(calls):
+            calls = [_raw_arguments(t, c) for t, c in zip(texts, calls, strict=True)]
         return Parsed(text[:first].rstrip(), calls)
 
     def call_grammar(self, schema: str, parallel: bool, lit: MarkerWriter) -> str:
@@ -334,7 +356,7 @@ def parse_output(fmt: ToolFormat, text: str, names: frozenset[str] = frozenset()
 
 
 class _OpenCall:
-    """A hermes call whose arguments are streaming: where the arguments object stands."""
+    """A call whose arguments are streaming: where the arguments object stands."""
 
     def __init__(self, call_id: str, name: str, index: int, prefix: str) -> None:
         self.prefix = prefix  # the block's text before the arguments
@@ -411,10 +433,14 @@ class ToolStream:
             out = self._content()
         if self.in_calls and isinstance(self.fmt, HermesFormat) and not self.bare:
             return out, self._hermes_blocks()
+        if self.in_calls and not isinstance(self.fmt, HermesFormat):
+            self._stream_first_call()
         return out, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """Everything still held: the last content and calls."""
+        if self.open is not None and not isinstance(self.fmt, HermesFormat):
+            return self._finish_streamed(self.open)
         done: list[ToolCall] = []
         if self.open is not None:
             opened, self.open = self.open, None
@@ -434,6 +460,72 @@ class ToolStream:
         if not parsed.calls and self.calls and content:
             content = "\n" + content
         return content, done + parsed.calls
+
+    def _finish_streamed(self, opened: _OpenCall) -> tuple[str, list[ToolCall]]:
+        """llama3_json / mistral: the whole-answer parse of everything from the first call on; its
+        first call is the streamed one (same arguments text), the others go out whole."""
+        self.open = None
+        text, self.buffer = opened.prefix + opened.arguments + self.buffer, ""
+        parsed = parse_output(self.fmt, text, self.names)
+        if not parsed.calls:  # cut short or malformed: content (its head has gone out already)
+            return parsed.content, []
+        first, *rest = parsed.calls
+        done = [ToolCall(first.name, first.arguments, opened.id), *rest]
+        self.calls.append(done[0])
+        for one in rest:
+            self._whole(one)
+        return parsed.content, done
+
+    def _first_object_at(self) -> int | None:
+        """llama3_json / mistral: where the first call object opens in the held text; None while
+        that is not known yet or when the text does not open with an object (then ``stuck``)."""
+        buf, fmt = self.buffer, self.fmt
+        at = len(buf) - len(buf.lstrip())
+        if isinstance(fmt, Llama3JsonFormat) and buf.startswith(fmt.tag, at):
+            at += len(fmt.tag)
+        elif isinstance(fmt, MistralFormat):
+            at += len(fmt.start)  # the held text starts at [TOOL_CALLS]
+            at += len(buf[at:]) - len(buf[at:].lstrip())
+            if buf.startswith("[", at):
+                at += 1
+        at += len(buf[at:]) - len(buf[at:].lstrip())
+        if at >= len(buf):
+            return None
+        if buf[at] != "{":
+            self.stuck = True
+            return None
+        return at
+
+    def _stream_first_call(self) -> None:
+        """llama3_json / mistral: the first call's id and name as soon as its arguments open (name
+        first), then its arguments as they come; the text after them waits for :meth:`finish`."""
+        if self.open is None:
+            if self.started or self.stuck:
+                return
+            at = self._first_object_at()
+            if at is None:
+                return
+            head = _CALL_HEAD.match(self.buffer, at)
+            if head is None:
+                if self.buffer.count("{", at) >= 2:  # another layout: the calls go out whole
+                    self.stuck = True
+                return
+            try:
+                name = json.loads(head.group(1))
+            except ValueError:
+                self.stuck = True
+                return
+            self.open = _OpenCall(new_call_id(), name, self.started, self.buffer[: head.end()])
+            self.started += 1
+            self.deltas.append(CallDelta(self.open.index, "", self.open.id, name))
+            self.buffer = self.buffer[head.end() :]
+        call = self.open
+        if not call.done:
+            n = call.scan(self.buffer)
+            piece, self.buffer = self.buffer[:n], self.buffer[n:]
+            if piece:
+                call.arguments += piece
+                self.deltas.append(CallDelta(call.index, piece))
 
     def _whole(self, call: ToolCall) -> None:
         """A call complete before any of it streamed: head, then all its arguments."""
@@ -518,7 +610,7 @@ class ToolStream:
             if self.stuck:
                 return done
             if self.buffer.startswith(fmt.start):
-                head = _HERMES_HEAD.match(self.buffer, len(fmt.start))
+                head = _CALL_HEAD.match(self.buffer, len(fmt.start))
                 if head is not None:
                     try:
                         name = json.loads(head.group(1))
