@@ -236,7 +236,7 @@ class Engine:
             req.stats.verify_seconds += time.perf_counter() - t1
             if drafter is not None:
                 if hidden is not None:
-                    drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
+                    drafter.feed(hidden)
                 drafter.commit(verdict.tokens, verdict.num_accepted)
             step = self._emit(req, verdict.tokens, logits)
             yield step
@@ -262,7 +262,7 @@ class Engine:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         ids = as_ids(list(prompt_ids))
         prompt = torch.from_numpy(ids).to(self.device)
-        stats = RequestStats(drafter=getattr(drafter, "name", "none"), prompt_tokens=n, t_start=time.perf_counter())
+        stats = RequestStats(drafter="none" if drafter is None else drafter.name, prompt_tokens=n, t_start=time.perf_counter())
         stop = StopChecker(self.tokenizer, params, prompt_ids)
         return _Request(prompt, ids, params, stop, stats)
 
@@ -273,7 +273,7 @@ class Engine:
         bad = [i for i in layers if not 0 <= i <= num_layers]
         if bad:
             raise QuickdraftError(
-                f"drafter {getattr(drafter, 'name', '?')!r} needs hidden states of layers {list(layers)}, "
+                f"drafter {drafter.name if drafter else '?'!r} needs hidden states of layers {list(layers)}, "
                 f"but the target has {num_layers} layers (valid: 0..{num_layers}); "
                 "use a drafter made for this target model"
             )
@@ -309,13 +309,10 @@ class Engine:
         req.stats.cached_tokens = cached
         logits, captured = self._prefill_rows(req, req.prompt[cached:])  # [1, V]
         if drafter is not None:
-            if req.capture:  # it is fed the features of the computed rows only
-                drafter.prefill(req.prompt, req.params, cached=cached)  # type: ignore[call-arg]
-            else:
-                drafter.prefill(req.prompt, req.params)
+            drafter.prefill(req.prompt, req.params, cached=cached)  # features: the computed rows only
             hidden = self._features(req, captured, None)
             if hidden is not None:
-                drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
+                drafter.feed(hidden)
         token = self._choose(req, self._process(req, logits, _NO_DRAFT), [len(req.prompt_ids)])  # [1]
         req.stats.t_first = time.perf_counter()
         return token, logits

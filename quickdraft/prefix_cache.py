@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.speculative.base import capture_layers_of
+from quickdraft.speculative.base import Drafter
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray, limit: int | None = None) -> int:
@@ -133,7 +133,7 @@ class PrefixCache:
 
     # -------------------------------------------------------------- per request
 
-    def reuse(self, prompt: np.ndarray, cache: KVCache, drafter: object | None) -> int:
+    def reuse(self, prompt: np.ndarray, cache: KVCache, drafter: Drafter | None) -> int:
         """Put the longest cached prefix of ``prompt`` into ``cache`` (and the drafter's state) and
         return its length m: the caller computes ``prompt[m:]``. m < len(prompt) always."""
         if not self.enabled:
@@ -147,14 +147,15 @@ class PrefixCache:
             cache.restore(best.kv, best_m)
             best.last_used = next(self._tick)
             self.held_drafter = None  # the working drafter state no longer follows ``held``
-            if best.drafter is not None and drafter is not None and best.drafter() is drafter:
-                drafter.restore(best.drafter_state)  # type: ignore[union-attr]  # it made the snapshot
+            made_it = best.drafter is not None and best.drafter() is drafter
+            if drafter is not None and made_it:
+                drafter.restore(best.drafter_state)  # it made the snapshot
                 self.held_drafter = best.drafter
             self.held, m = best.tokens, best_m
         elif m < len(self.held) and cache.copyable:
             self._store_working(cache)  # a branch: keep what the truncation would lose
-        if drafter is not None and capture_layers_of(drafter):
-            m = min(m, drafter.covered(prompt))  # type: ignore[attr-defined]  # FeatureDrafter
+        if drafter is not None:  # a feature drafter holds features for fewer tokens, maybe
+            m = min(m, drafter.covered(prompt))
         cache.truncate(min(m, cache.length))
         self.held = self.held[:m]
         self.stats.requests += 1
@@ -163,7 +164,7 @@ class PrefixCache:
         self.stats.cached_tokens += m
         return m
 
-    def release(self, tokens: np.ndarray, cache: KVCache, drafter: object | None) -> None:
+    def release(self, tokens: np.ndarray, cache: KVCache, drafter: Drafter | None) -> None:
         """A request ended (finished, stopped, cancelled): the working cache holds ``tokens``
         (prompt + committed output) up to its length; remember them for the next request."""
         if not self.enabled:
@@ -198,7 +199,7 @@ class PrefixCache:
                 e.last_used = next(self._tick)
                 return
         drafter = self.held_drafter() if self.held_drafter is not None else None
-        state = drafter.snapshot() if drafter is not None and hasattr(drafter, "snapshot") else None
+        state = drafter.snapshot() if drafter is not None else None
         nbytes = n * cache.bytes_per_token + state_bytes(state)
         if nbytes > self.budget_bytes:
             return

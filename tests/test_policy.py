@@ -13,6 +13,7 @@ from tiny import make_tiny_hf_model
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
+from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import (
     CONFIDENT_K,
@@ -309,7 +310,7 @@ def test_auto_with_measured_costs_equals_plain(
     assert sum(auto.usage.values()) > 0
 
 
-class EchoDrafter:
+class EchoDrafter(Drafter):
     """Always right: proposes the next tokens of the known greedy output."""
 
     name = "echo"
@@ -318,7 +319,7 @@ class EchoDrafter:
         self.truth = truth
         self.out = 0
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         self.out = 0
 
     def propose(self, k: int) -> Draft:
@@ -355,6 +356,9 @@ class BehindDrafter(EchoDrafter):
     def __init__(self, truth: list[int], pending: int) -> None:
         super().__init__(truth)
         self.pending = list(range(pending))
+
+    def pending_count(self) -> int:
+        return len(self.pending)
 
 
 def test_auto_charges_a_draft_model_for_catching_up() -> None:

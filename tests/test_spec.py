@@ -116,7 +116,7 @@ def make_case(loaded: LoadedModel, text: str, n: int, **params: Any) -> Case:
     return Case(loaded, prompt, run.ids, params)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Knows the plain greedy output; ``draft(true, step)`` turns the next k true tokens into a
     proposal. Checks on every commit that the engine emitted the truth and accepted exactly the
     longest right prefix of the proposal; ``log`` keeps (k, num_accepted) per drafting step."""
@@ -134,7 +134,7 @@ class ScriptedDrafter:
     def draft(self, true: list[int], step: int) -> list[int]:
         raise NotImplementedError
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         self.context = [int(t) for t in prompt_ids.tolist()]
         self.prompt_len = len(self.context)
         self.step, self.proposed, self.log = 0, None, []
@@ -922,7 +922,7 @@ class FrozenCost(TargetCost):
         pass
 
 
-class ConstDrafter:
+class ConstDrafter(Drafter):
     """Always proposes the same tokens: a deterministic draft (q one-hot), like n-gram lookup's."""
 
     name = "const"
@@ -930,7 +930,7 @@ class ConstDrafter:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         pass
 
     def propose(self, k: int) -> Draft:
@@ -1199,7 +1199,7 @@ def test_coupled_draft_model_accepts_like_its_overlap(sampler: LoadedModel) -> N
     assert got.stats.drafted > 0 and got.stats.accepted == got.stats.drafted
 
 
-class TreeOfSiblings:
+class TreeOfSiblings(Drafter):
     """Proposes root children only (a tree of siblings): fixed tokens (deterministic, q one-hot),
     or, with ``q``, tokens drawn i.i.d. from q with the drafter's own seeded generator."""
 
@@ -1209,7 +1209,7 @@ class TreeOfSiblings:
         self.tokens, self.q = tokens, q
         self.gen = torch.Generator()
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         self.gen.manual_seed(0 if params.seed is None else params.seed + 1)
 
     def propose(self, k: int) -> DraftTree:
@@ -1277,14 +1277,14 @@ def test_draft_model_skips_a_long_catch_up_and_stays_lossless(tiny: Case) -> Non
     inner = DraftModelDrafter(tiny.loaded.model, tiny.vocab, eager=True)
     seen: list[tuple[int, int]] = []  # (cache length + offset, tokens the draft has consumed)
 
-    class Intermittent:
+    class Intermittent(Drafter):
         name = "intermittent"
 
         def __init__(self) -> None:
             self.step = 0
             self.total = 0
 
-        def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+        def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
             self.step, self.total = 0, len(prompt_ids)
             inner.prefill(prompt_ids, params)
 

@@ -22,7 +22,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.layers import causal_mask
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import FeatureDrafter, capture_layers_of
+from quickdraft.speculative.base import Drafter, capture_layers_of
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.tree import (
     DraftTree,
@@ -478,7 +478,7 @@ SHAPES: dict[str, Callable[[list[int], int, int, int], tuple[list[int], list[int
 }
 
 
-class TreeOracle:
+class TreeOracle(Drafter):
     """Proposes trees built from the plain greedy output by ``shape``, and checks on every commit
     that the engine emitted the truth and accepted exactly the longest right path of the tree.
     ``log`` keeps (nodes, depth, accepted) per drafting step."""
@@ -494,7 +494,7 @@ class TreeOracle:
         self.proposed: DraftTree | None = None
         self.log: list[tuple[int, int, int]] = []
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         self.context = [int(t) for t in prompt_ids.tolist()]
         self.prompt_len = len(self.context)
         self.step, self.proposed, self.log = 0, None, []
@@ -687,7 +687,7 @@ def test_tree_drafter_through_auto_drafter(tiny: LoadedModel, prompt: list[int],
 # ------------------------------------------------------------------------------- sampling
 
 
-class RandomTree:
+class RandomTree(Drafter):
     """A sampling tree drafter: root children i.i.d. from a fixed q, one grandchild each; its own
     generator is seeded from the request's seed (like the draft-model drafter)."""
 
@@ -697,7 +697,7 @@ class RandomTree:
         self.q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3, -1)
         self.gen = torch.Generator()
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         self.gen.manual_seed(0 if params.seed is None else params.seed + 1)
 
     def propose(self, k: int) -> DraftTree:
@@ -789,7 +789,7 @@ def test_feed_gives_the_kept_rows(
     layers = (2, 0, 1)  # 2 = L: the final norm's input; not in layer order on purpose
     make = ChainRecorder if chain else Recorder
     drafter = make(plain.ids, tiny.config.vocab_size, shape, layers)
-    assert isinstance(drafter, FeatureDrafter) and capture_layers_of(drafter) == layers
+    assert capture_layers_of(drafter) == layers
     run = generate(tiny, prompt, drafter, 6, max_tokens=N, ignore_eos=True)
     assert run.ids == plain.ids and run.stats.accepted > 0
     assert drafter.fed[0].shape[0] == len(prompt)  # the prefill's rows come first

@@ -108,7 +108,7 @@ class InProcessContender:
         return {
             "name": self.name,
             "kind": "in-process",
-            "drafter": getattr(self.drafter, "name", "none"),
+            "drafter": "none" if self.drafter is None else self.drafter.name,
             "num_draft": self.k,
             "setup_rss_mb": round(self.setup_mb, 1),
             "prefix_cache_mb": self.engine.prefix_cache.budget_bytes >> 20,
@@ -122,7 +122,7 @@ class InProcessContender:
         self, messages: list[Message], params: SamplingParams, reference: Trace | None
     ) -> Trace:
         ids = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        usage = dict(getattr(self.drafter, "usage", {}))
+        usage = self.drafter.usage_counts() if self.drafter is not None else {}
         text: list[str] = []
         token_ids: list[int] = []
         chunk_times: list[float] = []
@@ -134,7 +134,7 @@ class InProcessContender:
                 token_ids += step.token_ids
             text.append(step.text)
         assert step is not None
-        after = getattr(self.drafter, "usage", {})
+        after = self.drafter.usage_counts() if self.drafter is not None else {}
         extra = {"usage": {key: after[key] - usage.get(key, 0) for key in after}} if after else {}
         return Trace(
             "".join(text),
@@ -151,7 +151,7 @@ class InProcessContender:
         )
 
 
-class SimulatedAcceptanceDrafter:
+class SimulatedAcceptanceDrafter(Drafter):
     """Drafts k tokens of which a controlled number are right, so tau averages a chosen value.
 
     It knows the target's greedy continuation (``truth``, from a plain run of the same prompt), so
@@ -170,7 +170,7 @@ class SimulatedAcceptanceDrafter:
         self._pos = 0
         self._credit = 0.0
 
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
         self._pos, self._credit, self.diverged = 0, 0.0, 0
 
     def propose(self, k: int) -> Draft:

@@ -108,7 +108,7 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
               draft_confidence=getattr(args, "draft_confidence", None),
               cuda_graphs=getattr(args, "cuda_graphs", "auto"),
               prefix_cache_mb=getattr(args, "prefix_cache_mb", None), kv_dtype=getattr(args, "kv_dtype", "auto"))
-    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {getattr(llm.drafter, 'name', 'none')}")
+    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {llm.drafter.name if llm.drafter else 'none'}")
     return llm
 
 

@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
 def _drafters(llm):  # type: ignore[no-untyped-def]
     """(label, drafter, k): the configured one, then each underlying drafter at a fixed k = 4."""
     out = [(f"{llm.drafter.name} (k={llm.num_draft})", llm.drafter, llm.num_draft)]
-    for c in getattr(llm.drafter, "candidates", []):
-        out.append((f"{c.drafter.name} (k=4)", c.drafter, 4))
+    for part in llm.drafter.parts():
+        out.append((f"{part.name} (k=4)", part, 4))
     return out
 
 

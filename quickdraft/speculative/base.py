@@ -24,8 +24,8 @@ Target features (optional, for drafters such as EAGLE-3 that read the target's h
   has a feature for every committed token except the newest one (the bonus or recovered token,
   which no target pass has read yet).
 
-:class:`FeatureDrafter` is that extended protocol; :func:`capture_layers_of` reads the attribute
-from any drafter.
+:class:`Drafter` declares every hook with the default of a drafter without features, state or
+model of its own.
 
 Reuse across requests (the engine's prefix cache, :mod:`quickdraft.prefix_cache`). ``prefill``
 keeps whatever of the drafter's own state is still valid for the new prompt (the longest common
@@ -40,8 +40,6 @@ features (the engine never reuses more of the target's cache than that), and its
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import numpy as np
 from torch import Tensor
 
@@ -50,50 +48,74 @@ from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """Base of every drafter: the hooks the engine, the prefix cache and the auto drafter's cost
+    model call, each with the default of a drafter that has no model of its own, reads no target
+    features and keeps no state worth copying. Subclasses override what they do differently."""
 
-    def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
-        """Start a request: ``prompt_ids`` [P]. ``params`` shapes q for sampling drafters."""
+    name: str = "drafter"
+    # Decoder layers whose input hidden states the drafter reads (see the module docstring); ()
+    # for drafters that read ids only (``feed`` is then never called).
+    capture_layers: tuple[int, ...] = ()
+    # What the auto drafter's cost model reads:
+    stop_below: float = 0.0  # a proposal may end early below this confidence (0: it drafts k)
+    max_catch_up: int = 1 << 30  # most missed tokens its catch-up pass reads
+    last_token_seconds: float | None = None  # its own one-token pass, measured (None: no model)
+
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
+        """Start a request: ``prompt_ids`` [P]. ``params`` shapes q for sampling drafters;
+        ``cached``: leading tokens the target did not recompute (features come for the rest)."""
+        raise NotImplementedError
 
     def propose(self, k: int) -> Draft | DraftTree:
         """Up to ``k`` tokens (a chain) or tree nodes that continue the committed context (fewer,
         even 0, is fine)."""
+        raise NotImplementedError
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         """``tokens`` [n+1] were emitted: the first ``num_accepted`` came from the last proposal."""
+        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget the request."""
 
+    def feed(self, hidden: Tensor) -> None:
+        """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""
+        raise NotImplementedError(f"drafter {self.name!r} reads no target features")
 
-class ReusableDrafter(Drafter, Protocol):
-    """A drafter whose state the prefix cache can keep (see the module docstring)."""
+    def covered(self, prompt_ids: Tensor | np.ndarray) -> int:
+        """How many leading ``prompt_ids`` this drafter holds features for (all, without features)."""
+        return len(prompt_ids)
 
-    def snapshot(self) -> object:
-        """A copy of the drafter's state for the ids it has read (host memory)."""
+    def snapshot(self) -> object | None:
+        """A copy of the drafter's state for the ids it has read (host memory); None: nothing to keep."""
+        return None
 
     def restore(self, state: object) -> None:
         """Load a :meth:`snapshot` back; the next ``prefill`` reuses what of it matches."""
 
+    def expected_tokens(self, k: int) -> float | None:
+        """Tokens the last proposal's first ``k`` are expected to yield, by the drafter's own
+        estimate (None: it has none; the cost model uses its acceptance history)."""
+        return None
 
-@runtime_checkable
-class FeatureDrafter(Drafter, Protocol):
-    """A drafter that reads the target's hidden states (see the module docstring)."""
+    def context_length(self) -> int | None:
+        """Tokens its own model attends over now (None: no model of its own)."""
+        return None
 
-    capture_layers: tuple[int, ...]
+    def pending_count(self) -> int:
+        """Tokens its own model has yet to read before it can draft (0: none)."""
+        return 0
 
-    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
-        """Start a request whose first ``cached`` tokens the target did not recompute."""
+    def parts(self) -> list[Drafter]:
+        """The drafters this one chooses among ([] for a drafter that drafts itself)."""
+        return []
 
-    def covered(self, prompt_ids: Tensor | np.ndarray) -> int:
-        """How many leading ``prompt_ids`` this drafter holds features for."""
-
-    def feed(self, hidden: Tensor) -> None:
-        """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""
+    def usage_counts(self) -> dict[str, int]:
+        """Steps by the drafter that proposed them, for drafters that choose among others ({})."""
+        return {}
 
 
-def capture_layers_of(drafter: object) -> tuple[int, ...]:
-    """The layers ``drafter`` wants features of; () for drafters without ``capture_layers``."""
-    layers = getattr(drafter, "capture_layers", None)
-    return tuple(int(i) for i in layers) if layers else ()
+def capture_layers_of(drafter: Drafter | None) -> tuple[int, ...]:
+    """The layers ``drafter`` wants features of; () for none."""
+    return () if drafter is None else tuple(int(i) for i in drafter.capture_layers)

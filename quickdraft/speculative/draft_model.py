@@ -47,6 +47,7 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
+from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.verify import Draft
 from quickdraft.speculative.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
@@ -71,7 +72,7 @@ def check_draft_confidence(p: float) -> None:
         raise QuickdraftError(f"--draft-confidence must be at least 0 (0: off) and below 1, got {p}")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft"
     max_catch_up = MAX_CATCH_UP
 
@@ -107,7 +108,7 @@ class DraftModelDrafter:
         self._proposed: Tensor | None = None
         self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
 
-    def prefill(self, prompt_ids: Tensor, params: SamplingParams) -> None:
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         # q must be shaped like p except for penalties (they need history the draft lacks; any q
         # stays lossless, a closer one just accepts more).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
@@ -152,10 +153,12 @@ class DraftModelDrafter:
         self.cache.truncate(n)
         del self.slot_tokens[n:], self.slot_positions[n:]
 
-    @property
     def context_length(self) -> int:
         """Tokens in this model's own cache (what its passes attend over)."""
         return self.cache.length
+
+    def pending_count(self) -> int:
+        return len(self.pending)
 
     def snapshot(self) -> tuple[tuple[Tensor, Tensor], list[int], list[int]]:
         n = self.cache.length

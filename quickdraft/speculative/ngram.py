@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.verify import Draft
 
 
@@ -119,7 +121,7 @@ class NGramIndex:
         return torch.tensor(self.propose(k), dtype=torch.long, device=device)
 
 
-class NGramDrafter:
+class NGramDrafter(Drafter):
     """Drafter that proposes what followed the latest earlier copy of the context's suffix.
 
     Training-free and nearly free to run, so it pays whenever the output repeats the prompt or
@@ -131,7 +133,7 @@ class NGramDrafter:
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         self.index = NGramIndex(max_ngram, min_ngram)
 
-    def prefill(self, prompt_ids: Tensor, params: object) -> None:
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         # The index is a function of its ids alone: one that the prompt extends (the next turn of
         # a conversation) only needs the new ids; any other is rebuilt.
         ids = _as_numpy(prompt_ids)

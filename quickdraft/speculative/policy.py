@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -139,7 +140,7 @@ def best_k(cost: TargetCost, cand: Candidate, max_k: int, overhead: float = 0.0)
     return best
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     """Wraps one or more drafters; each step picks the drafter and k that the cost model favours.
 
     With ``fixed_k`` the drafter is still chosen per step but always drafts min(fixed_k, budget).
@@ -173,11 +174,11 @@ class AutoDrafter:
             if not layers:
                 continue
             if layers == self.capture_layers:
-                c.drafter.feed(hidden)  # type: ignore[attr-defined]  # has capture_layers
+                c.drafter.feed(hidden)
                 continue
             blocks = [self.capture_layers.index(i) for i in layers]
             cols = [hidden[:, b * width : (b + 1) * width] for b in blocks]
-            c.drafter.feed(torch.cat(cols, dim=-1))  # type: ignore[attr-defined]
+            c.drafter.feed(torch.cat(cols, dim=-1))
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         before = [c.pass_cost(1) if c.pass_cost is not None else 0.0 for c in self.candidates]
@@ -187,24 +188,27 @@ class AutoDrafter:
             if c.pass_cost is not None and old > 0:  # a new prompt's length: its one-token pass costs more or less
                 c.seconds_per_token *= c.pass_cost(1) / old
         for c in self.candidates:
-            if capture_layers_of(c.drafter):
-                c.drafter.prefill(prompt_ids, params, cached=cached)  # type: ignore[call-arg]
-            else:
-                c.drafter.prefill(prompt_ids, params)
+            c.drafter.prefill(prompt_ids, params, cached=cached)
 
-    def covered(self, prompt_ids: Tensor) -> int:
+    def covered(self, prompt_ids: Tensor | np.ndarray) -> int:
         """The fewest leading prompt tokens any feature-reading candidate holds features for."""
-        return min((c.drafter.covered(prompt_ids) for c in self.candidates  # type: ignore[attr-defined]
-                    if capture_layers_of(c.drafter)), default=len(prompt_ids))
+        return min((c.drafter.covered(prompt_ids) for c in self.candidates), default=len(prompt_ids))
 
-    def snapshot(self) -> list[object]:
+    def usage_counts(self) -> dict[str, int]:
+        return dict(self.usage)
+
+    def parts(self) -> list[Drafter]:
+        return [c.drafter for c in self.candidates]
+
+    def snapshot(self) -> list[object | None]:
         """Each candidate's snapshot (None for one that keeps no state worth copying)."""
-        return [c.drafter.snapshot() if hasattr(c.drafter, "snapshot") else None for c in self.candidates]
+        return [c.drafter.snapshot() for c in self.candidates]
 
     def restore(self, state: object) -> None:
-        for c, part in zip(self.candidates, state, strict=True):  # type: ignore[call-overload]
+        assert isinstance(state, list)  # what snapshot returned
+        for c, part in zip(self.candidates, state, strict=True):
             if part is not None:
-                c.drafter.restore(part)  # type: ignore[attr-defined]
+                c.drafter.restore(part)
 
     def propose(self, k: int) -> Draft | DraftTree:
         chosen, draft = self._choose(k)
@@ -219,7 +223,8 @@ class AutoDrafter:
         self.cost.context = self._context
         for c in self.candidates:
             if c.pass_cost is not None:  # a draft model may hold fewer tokens (a windowed prompt read)
-                c.pass_cost.context = int(getattr(c.drafter, "context_length", self._context))
+                own = c.drafter.context_length()
+                c.pass_cost.context = self._context if own is None else own
 
     def _choose(self, budget: int) -> tuple[Candidate | None, Draft | DraftTree]:
         self._set_context()
@@ -230,14 +235,17 @@ class AutoDrafter:
             c.idle += 1
             preview = c.drafter.propose(min(budget, c.acceptance.max_k)) if c.cheap else None
             limit = min(budget, c.acceptance.max_k, preview.k if preview is not None else budget)
-            estimate = getattr(c.drafter, "expected_tokens", None) if preview is not None else None
+            estimates = preview is not None and c.drafter.expected_tokens(1) is not None
             if self.fixed_k:
                 k, rate = min(self.fixed_k, limit), float("inf")
-            elif estimate is not None and limit > 0:
+            elif estimates and limit > 0:
                 # The drafter estimates its own proposal (an EAGLE tree from its confidences, a
                 # lookup from its match length) and already paid for drafting it: take the prefix
                 # with the best estimate per target pass.
-                k, rate = max(((j, estimate(j) / self.cost(j + 1)) for j in range(1, limit + 1)), key=lambda x: x[1])
+                k, rate = max(
+                    ((j, (c.drafter.expected_tokens(j) or 0.0) / self.cost(j + 1)) for j in range(1, limit + 1)),
+                    key=lambda x: x[1],
+                )
             else:
                 k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
             if c.idle > c.probe_every and limit > 0:
@@ -271,7 +279,7 @@ class AutoDrafter:
         chosen.idle = 0
         catch_up = self._catch_up_seconds(chosen)
         t0 = time.perf_counter()
-        if preview is None and getattr(chosen.drafter, "stop_below", 0.0) > 0:
+        if preview is None and chosen.drafter.stop_below > 0:
             k = min(budget, max(k, CONFIDENT_K))
         draft = _cut(preview, k) if preview is not None else chosen.drafter.propose(k)
         if preview is None and draft.k:
@@ -279,7 +287,7 @@ class AutoDrafter:
             # learned, so a drafter whose real cost is higher stops looking like it pays.
             spent = time.perf_counter() - t0 - catch_up - chosen.seconds_per_token * draft.k
             chosen.extra_seconds = (1 - EMA) * chosen.extra_seconds + EMA * max(0.0, spent)
-        steady = getattr(chosen.drafter, "last_token_seconds", None)
+        steady = chosen.drafter.last_token_seconds
         if not chosen.cheap and steady is not None:
             # Per-token cost from the drafter's steady one-token passes: the catch-up pass over
             # tokens it missed while idle is paid once, not per drafted token, and counting it
@@ -297,7 +305,7 @@ class AutoDrafter:
         target's curve overstates a small model's: 16 rows cost Qwen2.5-Coder-1.5B ~3.8-4.2
         one-row passes here, the 0.5B with its cut head ~3.1.)
         """
-        pending = min(len(getattr(c.drafter, "pending", ())), getattr(c.drafter, "max_catch_up", 1 << 30))
+        pending = min(c.drafter.pending_count(), c.drafter.max_catch_up)
         if c.cheap or pending <= 1:
             return 0.0
         curve = c.pass_cost or self.cost

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quickdraft.sampling import SamplingParams
+from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.verify import Draft
 
 
@@ -124,7 +126,7 @@ BUCKET_PRIORS = (0.45, 0.55, 0.6, 0.7, 0.8, 0.85, 0.9)
 MAX_PROPOSAL = 32
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Prompt lookup with the longest match over the whole context (prompt + output).
 
     Proposes what followed the first earlier occurrence of the longest suffix that occurs earlier
@@ -148,7 +150,7 @@ class SuffixDrafter:
     def _bucket(self) -> int:
         return max(i for i, lo in enumerate(MATCH_BUCKETS) if self.index.match >= lo or i == 0)
 
-    def prefill(self, prompt_ids: Tensor, params: object) -> None:
+    def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         # A function of its ids alone: a prompt that extends them (the next turn) adds only the
         # new ids; any other rebuilds it (32k tokens: ~0.2 s).
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)

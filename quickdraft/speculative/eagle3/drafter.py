@@ -63,6 +63,7 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
+from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.eagle3.head import Eagle3Head
 from quickdraft.speculative.policy import TargetCost
 from quickdraft.speculative.tree import DraftTree
@@ -121,7 +122,7 @@ class _Proposal:
     used: int  # nodes actually returned (0 = plain step)
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     """Drafts with an EAGLE-3 head; see the module docstring.
 
     mode: "auto"/"tree" (dynamic tree sized by the cost model each step) or "chain" (one path;
