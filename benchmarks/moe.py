@@ -29,7 +29,7 @@ import torch
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import build_model
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.moe import SparseMoE, route
 
 CONTEXT = 128

@@ -31,9 +31,9 @@ import torch
 
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.graphs import make_step_graphs
 from quickdraft.models.layers import prefill_chunks
-from quickdraft.models.llama import CausalLM
 from quickdraft.prefix_cache import PrefixCache, as_ids
 from quickdraft.sampling import (
     SamplingParams,

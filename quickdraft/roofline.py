@@ -23,7 +23,7 @@ from torch import nn
 from quickdraft import kept, zoo
 from quickdraft.cache import kv_value_bytes
 from quickdraft.hardware import cpu_model
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 
 MAX_AGE_DAYS = 30
 PROBE_BYTES = 256 << 20  # far beyond any L3 of the machines this runs on

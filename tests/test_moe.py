@@ -36,8 +36,8 @@ from tiny import (
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import MLP
-from quickdraft.models.llama import CausalLM
 from quickdraft.models.moe import SparseMoE, convert_expert_layouts, route
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NGramDrafter

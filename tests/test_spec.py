@@ -32,7 +32,7 @@ from quickdraft.api import LLM
 from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.draft_model import DraftModelDrafter, check_same_tokenizer

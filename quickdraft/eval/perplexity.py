@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from quickdraft.loading import safetensors as st_io
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.loading.weights import load_weights
 from quickdraft.models import build_model
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.quant.fp8 import FP8Tensor, fp8_format, fp8_tensors
 from quickdraft.tokenizer import Tokenizer
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models import llama
+from quickdraft.models import causal_lm
 from quickdraft.models.layers import (
     MLP,
     Attention,
@@ -102,8 +102,8 @@ class _Backbone(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class CausalLM(llama.CausalLM):
-    """``model(ids, cache) -> (logits, captured)``, the interface of :class:`llama.CausalLM`."""
+class CausalLM(causal_lm.CausalLM):
+    """``model(ids, cache) -> (logits, captured)``, the interface of :class:`causal_lm.CausalLM`."""
 
     backbone = _Backbone
 

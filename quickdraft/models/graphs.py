@@ -34,7 +34,7 @@ from quickdraft.config import CUDA_GRAPH_MODES
 from quickdraft.models.layers import MLP, Attention, DecoderLayer
 
 if TYPE_CHECKING:
-    from quickdraft.models.llama import CausalLM
+    from quickdraft.models.causal_lm import CausalLM
 
 MIN_SPAN = 256  # fewest cache slots a graph attends over
 MAX_GRAPHS = 96  # captured graphs kept at most; further shapes run eagerly
@@ -43,7 +43,7 @@ WARMUP = 2  # eager runs on a side stream before a capture
 
 def supports_static(model: torch.nn.Module) -> str | None:
     """None if every layer of ``model`` takes the shared static path, else why not."""
-    from quickdraft.models.llama import CausalLM
+    from quickdraft.models.causal_lm import CausalLM
 
     if not isinstance(model, CausalLM):
         return f"{type(model).__name__} is not a decoder CausalLM"

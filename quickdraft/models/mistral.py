@@ -6,6 +6,6 @@ quickdraft refuses contexts longer than the window instead of computing them wro
 
 from __future__ import annotations
 
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 
 __all__ = ["CausalLM"]

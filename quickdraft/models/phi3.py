@@ -20,7 +20,7 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models import llama
+from quickdraft.models import causal_lm
 from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step, embedding
 
 
@@ -103,7 +103,7 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class CausalLM(llama.CausalLM):
-    """:class:`llama.CausalLM` (same forward, cache and captures) over Phi-3 layers."""
+class CausalLM(causal_lm.CausalLM):
+    """:class:`causal_lm.CausalLM` (same forward, cache and captures) over Phi-3 layers."""
 
     backbone = _Backbone

@@ -6,6 +6,6 @@ class is the shared one.
 
 from __future__ import annotations
 
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 
 __all__ = ["CausalLM"]

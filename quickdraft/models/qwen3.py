@@ -5,6 +5,6 @@ Switched by ``ModelConfig.qk_norm`` (True for qwen3); parameters ``self_attn.q_n
 
 from __future__ import annotations
 
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 
 __all__ = ["CausalLM"]

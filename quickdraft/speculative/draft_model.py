@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import Drafter, capture_layers_of
 from quickdraft.speculative.tree import DraftTree, cut_tree

@@ -28,7 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 
 FEATURE_DTYPE = torch.bfloat16
 SHARD_TOKENS = 16384  # tokens per shard (about 56 MB of bf16 features for SmolLM2's three layers)

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.speculative.eagle3.head import Eagle3Config, Eagle3Head
 from quickdraft.train.capture import FeatureSet
 from quickdraft.train.vocab import target_to_draft

@@ -30,7 +30,7 @@ import torch
 from quickdraft.config import resolve_device
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.speculative.eagle3.head import Eagle3Config, default_aux_layers
 from quickdraft.speculative.eagle3.io import load_head, save_head
 from quickdraft.train import data as data_mod

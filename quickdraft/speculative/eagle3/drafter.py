@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import prefill_chunks
-from quickdraft.models.llama import CausalLM
 from quickdraft.sampling import (
     SamplingParams,
     probs_from_logits,

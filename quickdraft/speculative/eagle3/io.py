@@ -69,8 +69,8 @@ from torch import Tensor
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import allocate_empty
-from quickdraft.models.llama import CausalLM
 from quickdraft.speculative.eagle3.head import Eagle3Config, Eagle3Head, default_aux_layers
 
 HF_LAYOUT = "hf"

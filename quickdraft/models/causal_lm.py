@@ -1,0 +1,218 @@
+"""The causal LM every architecture is: :class:`CausalLM`'s one forward pass (embeddings, the
+decoder layers over a KV cache, final norm, output head) and the dense backbone most families
+share (Llama, Qwen2/3, Mistral: the standard :class:`~quickdraft.models.layers.DecoderLayer`).
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...), so
+safetensors checkpoints load directly and GGUF tensors are renamed to them at load time.
+Families with other layers subclass :class:`CausalLM` with their own ``backbone`` (see
+``gemma3.py``, ``phi3.py``, ``moe.py``); variants of the dense one (qwen2 biases, qwen3 q/k norms)
+are switched by :class:`ModelConfig` fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from quickdraft.cache import KVCache, KVType
+from quickdraft.config import ModelConfig
+from quickdraft.models.layers import (
+    BLOCKED_MAX_ROWS,
+    DecoderLayer,
+    Linear,
+    RMSNorm,
+    Rope,
+    Step,
+    allocate_empty,
+    causal_mask,
+    embedding,
+    prefill_chunks,
+)
+from quickdraft.models.native import NativeStack
+
+
+class DenseBackbone(nn.Module):
+    """Embeddings, RoPE, the standard decoder layers and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = Rope(cfg, max_len)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``model(ids, cache) -> (logits, captured)`` for one sequence.
+
+    Families with other layers set ``backbone`` (embeddings, rope, layers, final norm) and, where
+    they differ, override :meth:`embed` and :meth:`logits`; the forward pass stays this one.
+    """
+
+    backbone: ClassVar[type[nn.Module]]
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.max_len = max_len
+        self.dtype = torch.float32  # activation dtype (set by materialize)
+        self.kv_dtype: KVType | None = None  # KV cache element type (a dtype or "q8_0"); None: self.dtype
+        self.device = torch.device("cpu")
+        self.model: Any = self.backbone(cfg, max_len)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self._native = NativeStack()
+        self._vocab_subset: tuple[torch.Tensor, nn.Module] | None = None  # set_output_vocab
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+        """Give a model built on the meta device real (uninitialised) storage in ``dtype``."""
+        allocate_empty(self, device, dtype)
+        self.model.rope.reset_tables(device)
+        self.tie_weights()
+        self.dtype, self.device = dtype, torch.device(device)
+        return self
+
+    def new_cache(self) -> KVCache:
+        return self.make_cache(self.max_len)
+
+    def make_cache(self, max_len: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
+                       self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        capture: Sequence[int] = (),
+        num_logits: int | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run ``ids`` [T] through the model, writing their keys/values into the next T cache slots.
+
+        positions: RoPE positions [T] (default: the slots themselves). mask: [T, start + T] bool for
+        trees (default: causal). capture: layer indices whose INPUT hidden state [T, H] is returned
+        (index L = the final norm's input). num_logits: compute logits only for the last n rows (0: none).
+        Returns logits [n, V] in float32 and the captured hidden states.
+        """
+        t = ids.shape[0]
+        start, end = cache.reserve(t)
+        device = ids.device
+        if positions is None:
+            positions = torch.arange(start, end, device=device)
+        tree = mask is not None
+        if mask is None:
+            mask = causal_mask(start, t, device)
+        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+        x = self.embed(ids)  # [T, H]
+        stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS else None
+        if stack is not None:  # every layer in one native call: bitwise the loop below
+            slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
+            x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))
+        else:
+            x, captured = self._layers(x, step, capture)
+        cache.advance(t)
+        if num_logits == 0:  # a prefill chunk before the last: keys and values only
+            return x.new_zeros(0, self.config.vocab_size, dtype=torch.float32), captured
+        if num_logits is not None:
+            x = x[-num_logits:]
+        return self.logits(x), captured
+
+    def prefill(
+        self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`forward` over ``ids`` [T] in passes of at most PREFILL_CHUNK rows (bitwise the keys
+        and values of any other cut); logits [1, V] of the last row."""
+        logits = torch.empty(0)
+        t = ids.shape[0]
+        for s, e in prefill_chunks(0, t):
+            pos = None if positions is None else positions[s:e]
+            logits, _ = self(ids[s:e], cache, positions=pos, num_logits=1 if e == t else 0)
+        return logits
+
+    @torch.inference_mode()
+    def forward_static(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward` with static shapes and no host-side decisions, for CUDA graphs.
+
+        Writes the keys/values of ``ids`` [T] at cache ``slots`` [T] (RoPE ``positions`` [T]) and
+        lets row i attend to slot j of the first L slots where ``mask`` [T, L] is True. Leaves
+        ``cache.length`` alone (the caller advances it). Logits of every row, float32 [T, V].
+        Only for models whose layers take the shared :class:`Step` path (see
+        :func:`quickdraft.models.graphs.supports_static`).
+        """
+        step = Step(positions=positions, start=0, mask=mask, cache=cache, slots=slots)
+        x, captured = self._layers(self.embed(ids), step, capture)
+        return self.logits(x), captured
+
+    def _layers(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every decoder layer in turn (Python), with the inputs of the ``capture`` layers."""
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                captured.append(x)
+            x = layer(x, i, step)
+        if len(self.model.layers) in capture:
+            captured.append(x)
+        return x, captured
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H]."""
+        return self.model.embed_tokens(ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head -> float32 logits [n, V] (-inf outside an output vocabulary
+        set by :meth:`set_output_vocab`)."""
+        if self._vocab_subset is not None:
+            ids, head = self._vocab_subset
+            sub = head(self.model.norm(x)).float()
+            out = sub.new_full((sub.shape[0], self.config.vocab_size), float("-inf"))
+            return out.index_copy_(1, ids, sub)
+        return self.lm_head(self.model.norm(x)).float()
+
+    def set_output_vocab(self, ids: torch.Tensor | None) -> bool:
+        """Compute logits only for token ``ids`` (the rest -inf): a drafter's cheaper output head,
+        e.g. a draft model's most frequent tokens (any draft distribution keeps speculation
+        lossless). None restores the full head. Returns False (and changes nothing) where the
+        model's head cannot be cut this way."""
+        from quickdraft.quant.ggml import GGMLLinear
+
+        if ids is None:
+            self._vocab_subset = None
+            return True
+        if type(self).logits is not CausalLM.logits:  # a family with its own head (e.g. softcapping)
+            return False
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()  # sorted
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"output vocabulary ids must lie in [0, {self.config.vocab_size})")
+        head = self.lm_head
+        sub: nn.Module
+        if isinstance(head, GGMLLinear):
+            sub = head.select_rows(ids)
+        elif type(head) in (Linear, nn.Linear) and head.bias is None:
+            sub = Linear(head.in_features, ids.numel(), bias=False, device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                sub.weight.copy_(head.weight.index_select(0, ids.to(head.weight.device)))
+        else:
+            return False
+        self._vocab_subset = (ids.to(self.device), sub)
+        return True
+
+
+CausalLM.backbone = DenseBackbone
