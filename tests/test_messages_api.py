@@ -337,7 +337,7 @@ def test_an_error_mid_stream_becomes_an_error_event() -> None:
 
 @pytest.fixture(scope="module")
 def server(qwen05_gguf: Path) -> Iterator[Server]:
-    srv = start_server(qwen05_gguf, "--draft", "none", "--api-key", KEY, name=NAME, context=1024)
+    srv = start_server(qwen05_gguf, "--draft", "none", "--dtype", "auto", "--api-key", KEY, name=NAME, context=1024)
     with running(srv):
         yield srv
 

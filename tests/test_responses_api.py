@@ -56,7 +56,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def server(qwen05_gguf: Path) -> Iterator[Server]:
-    s = start_server(qwen05_gguf, "--draft", "ngram", "--num-draft", "4", name=NAME, context=1024)
+    s = start_server(qwen05_gguf, "--draft", "ngram", "--num-draft", "4", "--dtype", "auto", name=NAME, context=1024)
     with running(s):
         yield s
 
