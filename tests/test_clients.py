@@ -27,6 +27,7 @@ from live_server import Server, running, start_server
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
+from test_schemas_server import Place, Trip  # the nested models (pydantic writes $defs for Place)
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +35,6 @@ NAME = "qwen-small"
 ASK = "Plan a trip from Oslo, Norway with stops in Rome, Italy and Paris, France."
 CAPITALS = "List the capitals: Norway, Italy, France."
 MAX_TOKENS = 200
-
-
-class Place(pydantic.BaseModel):
-    city: str = pydantic.Field(max_length=16)
-    country: str = pydantic.Field(max_length=16)
-
-
-class Trip(pydantic.BaseModel):
-    origin: Place
-    stops: list[Place] = pydantic.Field(max_length=2)
 
 
 @pytest.fixture(scope="module")
