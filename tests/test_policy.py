@@ -465,3 +465,16 @@ def test_auto_offers_a_self_stopping_drafter_at_least_confident_k() -> None:
     assert auto._choose(3)[1].k == 3 and confident.asked[-1] == 3  # never past the step's budget
     confident.stop_below = 0.0  # the rule switched off: the cost model's k again
     assert auto._choose(8)[1].k == k_cost
+
+
+def test_the_start_up_line_names_what_auto_chooses_among() -> None:
+    from quickdraft.cli.common import describe_drafter
+
+    auto = AutoDrafter(
+        [Candidate(NGramDrafter(), Acceptance(0.5, 8), 0.0, cheap=True),
+         Candidate(EchoDrafter([1, 2]), Acceptance(0.5, 8), 0.01, cheap=False)],
+        FrozenCost({1: 1.0, 8: 1.0}),
+    )
+    assert [p.name for p in auto.parts()] == ["ngram", "echo"]
+    assert describe_drafter(auto) == "auto (ngram, echo)"
+    assert describe_drafter(NGramDrafter()) == "ngram" and describe_drafter(None) == "none"

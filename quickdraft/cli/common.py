@@ -20,6 +20,7 @@ from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from quickdraft.api import LLM
+    from quickdraft.speculative.base import Drafter
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 
@@ -108,10 +109,18 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
               draft_confidence=getattr(args, "draft_confidence", None),
               cuda_graphs=getattr(args, "cuda_graphs", "auto"),
               prefix_cache_mb=getattr(args, "prefix_cache_mb", None), kv_dtype=getattr(args, "kv_dtype", "auto"))
-    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {llm.drafter.name if llm.drafter else 'none'}")
+    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {describe_drafter(llm.drafter)}")
     return llm
 
 
 def info(msg: str) -> None:
     """Progress and statistics go to stderr so stdout stays pipe-friendly."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def describe_drafter(drafter: Drafter | None) -> str:
+    """The drafter as the start-up line names it: "auto (ngram, draft)" for one that chooses."""
+    if drafter is None:
+        return "none"
+    parts = drafter.parts()
+    return f"{drafter.name} ({', '.join(p.name for p in parts)})" if parts else drafter.name
