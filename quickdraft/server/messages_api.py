@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from quickdraft.server import protocol as p
 from quickdraft.server.protocol import ApiError, _Lenient
@@ -163,22 +163,17 @@ M = TypeVar("M", bound=_MessagesBase)
 def parse_body(model: type[M], data: Any) -> M:
     """Validate a decoded body; the first problem becomes a 400 naming the field as the client
     wrote it (``messages.0.content.1.id``, without pydantic's union branch labels)."""
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc: list[str] = []
-        parts = err["loc"]
-        for k, part in enumerate(parts):
-            label = isinstance(part, str) and ("[" in part or part in ("str", "int"))
-            tag = part in _BLOCK_TYPES and k > 0 and isinstance(parts[k - 1], int)  # the union's tag
-            if not (label or tag):
-                loc.append(str(part))
-        param = ".".join(loc) or None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
+    return p.parse_request(model, data, _client_path)
+
+
+def _client_path(parts: tuple[int | str, ...]) -> str:
+    loc: list[str] = []
+    for k, part in enumerate(parts):
+        label = isinstance(part, str) and ("[" in part or part in ("str", "int"))
+        tag = part in _BLOCK_TYPES and k > 0 and isinstance(parts[k - 1], int)  # the union's tag
+        if not (label or tag):
+            loc.append(str(part))
+    return ".".join(loc)
 
 
 # -------------------------------------------------------------------- Messages -> chat request

@@ -9,6 +9,7 @@ OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` with a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
@@ -54,15 +55,22 @@ def error_body(
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_request(model: type[M], data: Any) -> M:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def parse_request(
+    model: type[M], data: Any, field: Callable[[tuple[int | str, ...]], str] = _dotted
+) -> M:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field
+    (``field`` writes pydantic's error location as the API names it)."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = field(tuple(err["loc"])) or None
         msg = err["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
 

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quickdraft.server import protocol as p
 from quickdraft.server.protocol import ApiError
@@ -254,11 +254,8 @@ def _check_item(i: int, item: Any) -> Any:
                 )
     try:
         ITEM_TYPES[kind].model_validate(item)
-    except Exception as exc:  # a pydantic ValidationError: name the item's field
-        errors = getattr(exc, "errors", None)
-        if errors is None:
-            raise
-        err = errors()[0]
+    except ValidationError as exc:  # name the item's field
+        err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"] if isinstance(x, str) and "[" not in x)
         param = f"{where}.{loc}" if loc else where
         raise ApiError(400, f"{param}: {err['msg']}", param=param) from None

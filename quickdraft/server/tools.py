@@ -519,13 +519,16 @@ class ToolStream:
             self.started += 1
             self.deltas.append(CallDelta(self.open.index, "", self.open.id, name))
             self.buffer = self.buffer[head.end() :]
-        call = self.open
-        if not call.done:
-            n = call.scan(self.buffer)
-            piece, self.buffer = self.buffer[:n], self.buffer[n:]
-            if piece:
-                call.arguments += piece
-                self.deltas.append(CallDelta(call.index, piece))
+        if not self.open.done:
+            self._stream_arguments(self.open)
+
+    def _stream_arguments(self, call: _OpenCall) -> None:
+        """The held text that belongs to ``call``'s arguments object goes out as one delta."""
+        n = call.scan(self.buffer)
+        piece, self.buffer = self.buffer[:n], self.buffer[n:]
+        if piece:
+            call.arguments += piece
+            self.deltas.append(CallDelta(call.index, piece))
 
     def _whole(self, call: ToolCall) -> None:
         """A call complete before any of it streamed: head, then all its arguments."""
@@ -586,12 +589,8 @@ class ToolStream:
         done: list[ToolCall] = []
         while True:
             call = self.open
-            if call is not None and not call.done:  # stream the arguments
-                n = call.scan(self.buffer)
-                piece, self.buffer = self.buffer[:n], self.buffer[n:]
-                if piece:
-                    call.arguments += piece
-                    self.deltas.append(CallDelta(call.index, piece))
+            if call is not None and not call.done:
+                self._stream_arguments(call)
                 if not call.done:
                     return done
             if call is not None:  # the arguments closed: wait for the block's end
