@@ -76,13 +76,26 @@ class KVCache:
         else:
             shape = (num_layers, num_kv_heads, max_len, head_dim)
         assert isinstance(dtype, torch.dtype)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D] (q8_0: bytes)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, Hkv, S, D]
+        self._bind(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def _bind(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k  # [L, Hkv, S, D] (q8_0: bytes)
+        self.v = v  # [L, Hkv, S, D]
         # per-layer views [Hkv, S, D], made once (indexing self.k[layer] costs a torch op per use)
         self.k_layers = self.k.unbind(0)
         self.v_layers = self.v.unbind(0)
-        self.max_len = max_len
+        self.max_len = k.shape[2]
         self.length = 0
+
+    def region(self, base: int, length: int) -> KVCache:
+        """A cache of ``length`` slots that IS slots ``[base, base + length)`` of this one (shared
+        storage, its own length): one sequence's part of a :class:`KVPool`."""
+        if not (0 <= base and base + length <= self.max_len and length > 0):
+            raise ValueError(f"region [{base}, {base + length}) is not inside a cache of {self.max_len} slots")
+        view = object.__new__(type(self))
+        view.kind = self.kind
+        view._bind(self.k[:, :, base : base + length], self.v[:, :, base : base + length])
+        return view
 
     def reserve(self, t: int) -> tuple[int, int]:
         """Slots ``[start, end)`` for ``t`` new tokens; raises when the context is full."""
@@ -151,3 +164,57 @@ class KVCache:
         self.k[:, :, :n] = k[:, :, :n]
         self.v[:, :, :n] = v[:, :, :n]
         self.length = n
+
+
+class KVPool:
+    """The KV memory of an engine that runs several sequences at once: one buffer of ``lanes``
+    regions of ``lane_len`` slots each (one per running sequence, each a :class:`KVCache` view,
+    :meth:`KVCache.region`), then ``staging`` slots.
+
+    A pass over rows of several sequences writes their new keys and values into the staging slots
+    (in row order) and each row attends to its own sequence's region slots followed by its own
+    staging rows (:class:`~quickdraft.models.layers.RowSlots`): the same keys in the same order as
+    when the sequence runs alone, so every row's result is bitwise the same. After the verdict,
+    :meth:`keep` copies each sequence's kept rows from staging to the end of its region.
+    """
+
+    def __init__(self, buffer: KVCache, lanes: int, lane_len: int, staging: int) -> None:
+        if lanes * lane_len + staging > buffer.max_len:
+            raise ValueError(f"{lanes} lanes of {lane_len} slots and {staging} staging slots do not fit {buffer.max_len}")
+        self.buffer = buffer
+        self.lane_len = lane_len
+        self.staging_start = lanes * lane_len
+        self.staging = staging
+        self.lanes = [buffer.region(i * lane_len, lane_len) for i in range(lanes)]
+        # position held by each region slot: slot j of a lane holds position j
+        self._region_pos = torch.arange(lane_len, device=buffer.k.device).repeat(lanes)
+
+    def base(self, lane: int) -> int:
+        """The buffer slot where lane ``lane``'s region starts."""
+        return lane * self.lane_len
+
+    def begin_pass(self, rows: int) -> None:
+        """Point the buffer's writes at the staging slots for a pass of ``rows`` rows."""
+        if rows > self.staging:
+            raise ValueError(f"a pass of {rows} rows does not fit {self.staging} staging slots")
+        self.buffer.length = self.staging_start
+
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The position every buffer slot up to a staged pass's end holds [staging_start + T]."""
+        return torch.cat([self._region_pos, positions.to(self._region_pos.device)])
+
+    def keep(self, lane: int, staged: torch.Tensor) -> None:
+        """Append the staged rows ``staged`` [n] (offsets into this pass's staging slots, in the
+        order they join the sequence) to lane ``lane``'s region."""
+        cache = self.lanes[lane]
+        n = int(staged.numel())
+        start, end = cache.reserve(n)
+        src = staged.to(self.buffer.k.device) + self.staging_start
+        dst = slice(self.base(lane) + start, self.base(lane) + end)
+        self.buffer.k[:, :, dst] = self.buffer.k.index_select(2, src)
+        self.buffer.v[:, :, dst] = self.buffer.v.index_select(2, src)
+        cache.advance(n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.max_len * self.buffer.bytes_per_token

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from quickdraft.cache import KVCache, KVPool
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.graphs import make_step_graphs
-from quickdraft.models.layers import prefill_chunks
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, PREFILL_CHUNK, RowSlots
 from quickdraft.prefix_cache import PrefixCache, as_ids
 from quickdraft.sampling import (
     SamplingParams,
@@ -158,8 +159,69 @@ def runtime_warning(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+# Rows in one pass over several sequences: the batch-invariant path's limit, so every row's result
+# is bitwise what it is when its sequence runs alone.
+PASS_ROWS = BLOCKED_MAX_ROWS
+# While a sequence still reads its prompt, each decoding one drafts at most this many tokens per
+# pass, leaving the rest of the pass to the prompt (time to first token of the new arrival).
+DRAFT_WHILE_PREFILLING = 2
+MAX_SEQUENCES = PASS_ROWS // 2  # every running sequence gets a last token and a draft token per pass
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request the engine is generating: the request's state, the KV lane it holds (a region of
+    the engine's KV memory) and its drafter (its own instance: drafters keep per-sequence state)."""
+
+    req: _Request
+    drafter: Drafter | None
+    num_draft: int  # k offered to the drafter per step (0: plain decoding)
+    lane: int
+    cache: KVCache
+    cached: int = 0  # prompt tokens reused from the prefix cache
+    computed: int = 0  # prompt tokens whose keys and values are in the cache
+    features: list[torch.Tensor] = field(default_factory=list)  # prompt rows' features, until the drafter reads them
+    last: StepOutput | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.req.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+
+@dataclass(eq=False)
+class _Part:
+    """One generation's rows in a pass: a prompt chunk (``draft`` None) or [last token] + a draft."""
+
+    gen: Generation
+    ids: torch.Tensor  # [t]
+    positions: torch.Tensor  # [t]
+    start: int  # the generation's cache length before the pass
+    draft: Draft | DraftTree | None = None
+    logit_from: int = 0  # logits are computed for rows logit_from .. t-1
+    draft_seconds: float = 0.0
+    staged: bool = False  # ran in the pool's staging slots (a pass over several generations)
+    offset: int = 0  # its first staging row
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+
+StepResult = tuple[Generation, StepOutput | Exception]
+
+
 class Engine:
-    """Generates for one sequence at a time with a target model and an optional drafter."""
+    """Generates for up to ``max_sequences`` sequences at once with a target model and drafters.
+
+    Each engine step is ONE target pass over the rows of every running generation (its prompt's next
+    chunk, or its last token and draft): :meth:`add` joins a request between steps, :meth:`step`
+    runs a pass and returns what each generation emitted, :meth:`remove` frees a finished or
+    cancelled one. :meth:`generate` is the same loop for one request on an idle engine.
+    """
 
     def __init__(
         self,
@@ -169,23 +231,61 @@ class Engine:
         cuda_graphs: str = "auto",
         warn: Callable[[str], None] = runtime_warning,
         prefix_cache: PrefixCache | None = None,
+        max_sequences: int = 1,
     ) -> None:
-        """``max_len``: KV cache length (default: the model's context; shorter for scratch runs).
-        ``cuda_graphs``: replay decode/verify passes as CUDA graphs ('auto': where the model is on
-        a CUDA device and supports them; 'on': the same, saying through ``warn`` where it cannot;
-        'off'). ``prefix_cache``: reuse computed prefixes across requests (default: off)."""
+        """``max_len``: KV cache length of each sequence (default: the model's context; shorter for
+        scratch runs). ``cuda_graphs``: replay decode/verify passes as CUDA graphs ('auto': where the
+        model is on a CUDA device and supports them and one sequence runs at a time; 'on': the same,
+        saying through ``warn`` where it cannot; 'off'). ``prefix_cache``: reuse computed prefixes
+        across requests (default: off). ``max_sequences``: sequences generated at once (each holds a
+        KV region of ``max_len`` slots while it runs)."""
+        if not 1 <= max_sequences <= MAX_SEQUENCES:
+            raise QuickdraftError(f"--max-concurrency must be between 1 and {MAX_SEQUENCES}, got {max_sequences}")
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache or PrefixCache()
-        self.cache = model.new_cache() if max_len is None else model.make_cache(max_len)
         self.device = model.device
-        self.graphs = make_step_graphs(model, self.cache, cuda_graphs, warn=warn)
+        self.pool: KVPool | None = None
+        if max_sequences == 1:
+            self.lanes = [model.new_cache() if max_len is None else model.make_cache(max_len)]
+        else:
+            length = model.max_len if max_len is None else max_len
+            buffer = model.make_cache(max_sequences * length + PASS_ROWS)
+            if not buffer.copyable:
+                raise QuickdraftError("--max-concurrency above 1 is not supported with --tensor-parallel yet; use 1")
+            self.pool = KVPool(buffer, max_sequences, length, PASS_ROWS)
+            self.lanes = self.pool.lanes
+        if max_sequences > 1 and cuda_graphs == "on":
+            warn("CUDA graphs replay one sequence's passes; with --max-concurrency above 1 they are off")
+        self.graphs = make_step_graphs(model, self.lanes[0], cuda_graphs if max_sequences == 1 else "off", warn=warn)
+        self.running: list[Generation] = []
+        self._free = list(range(max_sequences))
+
+    @property
+    def cache(self) -> KVCache:
+        """The first lane's KV cache (the only one of a one-sequence engine)."""
+        return self.lanes[0]
+
+    @property
+    def max_sequences(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV memory the engine holds for all its lanes."""
+        return self.pool.nbytes if self.pool is not None else self.cache.max_len * self.cache.bytes_per_token
+
+    def has_room(self) -> bool:
+        """Whether :meth:`add` can start another sequence now."""
+        return bool(self._free)
 
     def warm_up(self) -> None:
         """One token through the model on a scratch cache, so that one-time work (quantized weights
         repacked for the kernels: ~2.5 s for a 1.5B model; the native stack built) happens at
         load time instead of in the first request's time to first token."""
         self.model(torch.zeros(1, dtype=torch.long, device=self.device), self.model.make_cache(1))
+
+    # ------------------------------------------------------------------ the loop
 
     def generate(
         self,
@@ -195,51 +295,280 @@ class Engine:
         num_draft: int = 0,
         constraint: Constraint | None = None,
     ) -> Iterator[StepOutput]:
-        """Stream the continuation of ``prompt_ids``; each step yields >= 0 new tokens.
+        """Stream the continuation of ``prompt_ids`` on an idle engine; each step yields >= 1 new
+        token (a long prompt's chunks before the first yield nothing).
 
         ``constraint`` (structured output) masks the target's logits at every position, in plain
         and speculative steps alike.
         """
+        if self.running:
+            raise RuntimeError("generate() runs one request on an idle engine; use add() and step() for several")
+        gen = self.add(prompt_ids, params, drafter, num_draft, constraint)
+        try:
+            while not gen.finished:
+                for _, out in self.step():
+                    if isinstance(out, Exception):
+                        raise out
+                    yield out
+        finally:  # finished, stopped or cancelled: what the cache holds is committed
+            self.remove(gen)
+
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        drafter: Drafter | None = None,
+        num_draft: int = 0,
+        constraint: Constraint | None = None,
+    ) -> Generation:
+        """Start a request between steps: it takes a free lane (the one already holding the longest
+        prefix of its prompt) and the prefix cache's longest match; its prompt is read by the next
+        steps. Raises QuickdraftError for a request that cannot run (and when no lane is free)."""
+        if not self._free:
+            raise QuickdraftError(f"all {self.max_sequences} sequences are running; wait for one to finish")
         req = self._start(prompt_ids, params, drafter)
         req.constraint = constraint
         req.capture = self._capture_layers(drafter)
-        try:
-            yield from self._steps(req, drafter, num_draft)
-        finally:  # finished, stopped or cancelled: what the cache holds is committed
-            held = np.concatenate([req.prompt_ids, np.asarray(req.output, dtype=np.int64)])
-            self.prefix_cache.release(held, self.cache, drafter)
+        lane = max(self._free, key=lambda i: (self.prefix_cache.held_prefix(req.prompt_ids, self.lanes[i]), -i))
+        cache = self.lanes[lane]
+        cached = self.prefix_cache.reuse(req.prompt_ids, cache, drafter)
+        self._free.remove(lane)
+        req.stats.cached_tokens = cached
+        gen = Generation(req, drafter, num_draft if drafter is not None else 0, lane, cache, cached, cached)
+        self.running.append(gen)
+        return gen
 
-    def _steps(self, req: _Request, drafter: Drafter | None, num_draft: int) -> Iterator[StepOutput]:
-        token, logits = self._prefill(req, drafter)
+    def remove(self, gen: Generation) -> None:
+        """A generation leaves (finished, stopped or cancelled): its lane is free again and what its
+        cache holds is remembered by the prefix cache."""
+        if gen not in self.running:
+            return
+        self.running.remove(gen)
+        held = np.concatenate([gen.req.prompt_ids, np.asarray(gen.req.output, dtype=np.int64)])
+        self.prefix_cache.release(held, gen.cache, gen.drafter)
+        self._free.append(gen.lane)
+
+    def step(self) -> list[StepResult]:
+        """One target pass over every running, unfinished generation: what each emitted (a prompt
+        chunk before the last emits nothing), or the error that ended it (the others go on)."""
+        parts: list[_Part] = []
+        results: list[StepResult] = []
+        for part_or_error in self._plan():
+            if isinstance(part_or_error, _Part):
+                parts.append(part_or_error)
+            else:
+                results.append(part_or_error)
+        if not parts:
+            return results
+        t0 = time.perf_counter()
+        outputs = self._forward(parts)
+        seconds = time.perf_counter() - t0
+        for part, (logits, features) in zip(parts, outputs, strict=True):
+            try:
+                out = self._finish(part, logits, features, seconds)
+            except Exception as exc:  # this generation's constraint or drafter failed
+                results.append((part.gen, exc))
+                continue
+            if out is not None:
+                part.gen.last = out
+                results.append((part.gen, out))
+        return results
+
+    # ------------------------------------------------------------------ planning a pass
+
+    def _plan(self) -> list[_Part | StepResult]:
+        """Each unfinished generation's rows for the next pass: decoding ones first (their last
+        token and a draft), then prompt chunks in arrival order, PASS_ROWS rows in all when
+        several generations share the pass."""
+        gens = [g for g in self.running if not g.finished]
+        decoding = [g for g in gens if not g.prefilling]
+        prefilling = [g for g in gens if g.prefilling]
+        alone = len(gens) == 1
+        if alone or not decoding:
+            k_cap = 1 << 30
+        elif prefilling:
+            k_cap = DRAFT_WHILE_PREFILLING
+        else:
+            k_cap = PASS_ROWS // len(decoding) - 1
+        parts: list[_Part | StepResult] = []
+        left = PASS_ROWS
+        for g in decoding:
+            try:
+                part = self._decode_part(g, min(g.num_draft, k_cap))
+            except Exception as exc:
+                parts.append((g, exc))
+                continue
+            parts.append(part)
+            left -= part.rows
+        for g in prefilling:
+            n = min(len(g.req.prompt_ids) - g.computed, PREFILL_CHUNK if alone else left)
+            if n <= 0:
+                break
+            parts.append(self._prefill_part(g, n))
+            left -= n
+        return parts
+
+    def _prefill_part(self, gen: Generation, n: int) -> _Part:
+        s, e = gen.computed, gen.computed + n
+        last = e == len(gen.req.prompt_ids)
+        positions = torch.arange(s, e, device=self.device)
+        return _Part(gen, gen.req.prompt[s:e], positions, gen.cache.length, logit_from=n - 1 if last else n)
+
+    def _decode_part(self, gen: Generation, k: int) -> _Part:
+        req, drafter = gen.req, gen.drafter
+        k = self._budget(gen, k)
+        t0 = time.perf_counter()
+        draft = drafter.propose(k) if drafter is not None and k > 0 else _NO_DRAFT
+        seconds = time.perf_counter() - t0
+        if draft.k > k:
+            raise ValueError(f"drafter {req.stats.drafter!r} proposed {draft.k} tokens, more than the {k} asked for")
+        if isinstance(draft, DraftTree) and req.constraint is not None:
+            # Constraint.allowed masks chains; verifying the first-child chain keeps it exact.
+            draft = tree_chain(draft)
+        if isinstance(draft, DraftTree) and draft.k == 0:
+            draft = _NO_DRAFT
+        start = gen.cache.length
+        last = torch.tensor(req.output[-1:], device=self.device)
+        ids = torch.cat([last, draft.tokens.to(self.device)])
+        if isinstance(draft, DraftTree):
+            positions = tree_positions(start, draft, self.device)
+        else:
+            positions = torch.arange(start, start + draft.k + 1, device=self.device)
+        return _Part(gen, ids, positions, start, draft=draft, draft_seconds=seconds)
+
+    def _budget(self, gen: Generation, k: int) -> int:
+        """Draft no further than the tokens still allowed and the cache still holds."""
+        left = gen.req.params.max_tokens - len(gen.req.output) - 1
+        room = gen.cache.max_len - gen.cache.length - 1
+        return max(0, min(k, left, room))
+
+    # ------------------------------------------------------------------ the pass
+
+    def _forward(self, parts: list[_Part]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """ONE target pass over the parts' rows: per part, the logits of its rows from logit_from
+        on [n, V] and its rows' features by captured layer [t, H]."""
+        capture = tuple(sorted({i for p in parts for i in p.gen.req.capture}))
+        if len(parts) == 1:  # on the generation's own cache, as when it runs alone
+            p = parts[0]
+            tree = p.draft if isinstance(p.draft, DraftTree) else None
+            mask = tree_mask(p.start, tree, self.device) if tree is not None else None
+            logits, captured = self._run(p.gen.cache, p.ids, p.positions if tree is not None else None, mask, capture,
+                                         p.rows - p.logit_from)
+            return [(logits, dict(zip(capture, captured, strict=True)))]
+        assert self.pool is not None  # several generations run only on a pool
+        total = sum(p.rows for p in parts)
+        self.pool.begin_pass(total)
+        slots: list[torch.Tensor] = []
+        offset = 0
+        for p in parts:
+            p.staged, p.offset = True, offset
+            base = self.pool.base(p.gen.lane)
+            committed = torch.arange(base, base + p.start, device=self.device)
+            first = self.pool.staging_start + offset
+            if isinstance(p.draft, DraftTree):  # row j sees the root, its ancestors and itself
+                visible = tree_mask(0, p.draft, self.device)  # [t, t]
+                own = [first + row.nonzero().squeeze(1) for row in visible]
+            else:
+                own = [torch.arange(first, first + j + 1, device=self.device) for j in range(p.rows)]
+            slots += [torch.cat([committed, o]) for o in own]
+            offset += p.rows
+        positions = torch.cat([p.positions for p in parts])
+        rows = RowSlots(slots, self.pool.slot_positions(positions))
+        logit_rows = torch.cat([torch.arange(p.offset + p.logit_from, p.offset + p.rows, device=self.device)
+                                for p in parts])
+        ids = torch.cat([p.ids for p in parts])
+        logits, captured = self.model(ids, self.pool.buffer, positions=positions, capture=capture, rows=rows,
+                                      logit_rows=logit_rows)
+        out = []
+        at = 0
+        for p in parts:
+            n = p.rows - p.logit_from
+            features = {layer: c[p.offset : p.offset + p.rows] for layer, c in zip(capture, captured, strict=True)}
+            out.append((logits[at : at + n], features))
+            at += n
+        return out
+
+    def _run(
+        self,
+        cache: KVCache,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        capture: tuple[int, ...],
+        num_logits: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One target pass on one generation's cache (CUDA graphs where they apply)."""
+        rows = None if num_logits == ids.shape[0] else num_logits
+        if self.graphs is not None:
+            out = self.graphs.run(ids, positions, mask, capture, rows)
+            if out is not None:
+                return out
+        return self.model(ids, cache, positions=positions, mask=mask, capture=capture, num_logits=rows)
+
+    def _keep(self, part: _Part, rows: torch.Tensor) -> None:
+        """Keep the part's rows ``rows`` [n] (increasing) in its generation's cache, in that order."""
+        cache = part.gen.cache
+        n = int(rows.numel())
+        if part.staged:
+            assert self.pool is not None
+            self.pool.keep(part.gen.lane, rows + part.offset)
+        elif n == part.rows or bool((rows == torch.arange(n, device=rows.device)).all()):
+            cache.truncate(part.start + n)  # a chain's accepted run: O(1)
+        else:
+            cache.compact(part.start, rows)
+
+    # ------------------------------------------------------------------ after the pass
+
+    def _finish(
+        self, part: _Part, logits: torch.Tensor, features: dict[int, torch.Tensor], seconds: float
+    ) -> StepOutput | None:
+        gen, req = part.gen, part.gen.req
+        if part.draft is None:
+            return self._finish_prefill(part, logits, features)
+        draft = part.draft
+        verdict: Verdict
+        if isinstance(draft, DraftTree):
+            chosen = self._choose(req, self._process_tree(req, logits, draft), (part.positions + 1).tolist())
+            verdict = verify_tree_greedy(chosen, draft)
+            kept = verdict.rows.to(self.device)  # [n+1]: the root, then the accepted path
+            logits = logits.index_select(0, kept)
+            req.stats.record(verdict, draft.k, draft.depth)
+        else:
+            chosen = self._choose(req, self._process(req, logits, draft), range(part.start + 1, part.start + draft.k + 2))
+            verdict = verify_greedy(chosen, draft)
+            kept = torch.arange(verdict.num_accepted + 1, device=self.device)
+            req.stats.record(verdict, draft.k)
+        self._keep(part, kept)
+        req.stats.draft_seconds += part.draft_seconds
+        req.stats.verify_seconds += seconds
+        if gen.drafter is not None:
+            hidden = self._features(req, features, kept)
+            if hidden is not None:
+                gen.drafter.feed(hidden)
+            gen.drafter.commit(verdict.tokens, verdict.num_accepted)
+        return self._emit(req, verdict.tokens, logits)
+
+    def _finish_prefill(self, part: _Part, logits: torch.Tensor, features: dict[int, torch.Tensor]) -> StepOutput | None:
+        gen, req = part.gen, part.gen.req
+        self._keep(part, torch.arange(part.rows, device=self.device))
+        gen.computed += part.rows
+        rows = self._features(req, features, None)
+        if rows is not None:
+            gen.features.append(rows)
+        if gen.prefilling:
+            return None
+        drafter = gen.drafter
+        if drafter is not None:
+            drafter.prefill(req.prompt, req.params, cached=gen.cached)  # features: the computed rows only
+            if gen.features:
+                drafter.feed(torch.cat(gen.features) if len(gen.features) > 1 else gen.features[0])
+        gen.features = []
+        token = self._choose(req, self._process(req, logits, _NO_DRAFT), [len(req.prompt_ids)])  # [1]
+        req.stats.t_first = time.perf_counter()
         step = self._emit(req, token, logits)
         if drafter is not None:
             drafter.commit(token, 0)
-        yield step
-        while not step.finished:
-            k = self._budget(req, num_draft if drafter else 0)
-            t0 = time.perf_counter()
-            draft = drafter.propose(k) if drafter is not None and k > 0 else _NO_DRAFT
-            t1 = time.perf_counter()
-            if draft.k > k:
-                raise ValueError(f"drafter {req.stats.drafter!r} proposed {draft.k} tokens, more than the {k} asked for")
-            if isinstance(draft, DraftTree) and req.constraint is not None:
-                # Constraint.allowed masks chains; verifying the first-child chain keeps it exact.
-                draft = tree_chain(draft)
-            if isinstance(draft, DraftTree) and draft.k > 0:
-                verdict, logits, hidden = self._verify_tree(req, draft)
-                req.stats.record(verdict, draft.k, draft.depth)
-            else:
-                chain = draft if isinstance(draft, Draft) else _NO_DRAFT
-                verdict, logits, hidden = self._verify(req, chain)
-                req.stats.record(verdict, chain.k)
-            req.stats.draft_seconds += t1 - t0
-            req.stats.verify_seconds += time.perf_counter() - t1
-            if drafter is not None:
-                if hidden is not None:
-                    drafter.feed(hidden)
-                drafter.commit(verdict.tokens, verdict.num_accepted)
-            step = self._emit(req, verdict.tokens, logits)
-            yield step
+        return step
 
     def _start(self, prompt_ids: Sequence[int], params: SamplingParams, drafter: Drafter | None) -> _Request:
         n = len(prompt_ids)
@@ -279,56 +608,14 @@ class Engine:
             )
         return layers
 
-    def _run(
-        self,
-        req: _Request,
-        ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        num_logits: int | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One target pass, capturing the drafter's feature layers if it has any."""
-        capture = tuple(sorted(set(req.capture)))  # the model returns them in layer order
-        if self.graphs is not None:
-            out = self.graphs.run(ids, positions, mask, capture, num_logits)
-            if out is not None:
-                return out
-        return self.model(ids, self.cache, positions=positions, mask=mask, capture=capture, num_logits=num_logits)
-
-    def _features(self, req: _Request, captured: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor | None:
+    @staticmethod
+    def _features(req: _Request, by_layer: dict[int, torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor | None:
         """[n, len(capture) * H]: the kept ``rows`` (None = all) of the captured layers, concatenated
         in the drafter's order; None when the drafter takes no features."""
         if not req.capture:
             return None
-        by_layer = dict(zip(sorted(set(req.capture)), captured, strict=True))
         hidden = torch.cat([by_layer[i] for i in req.capture], dim=-1)  # [T, n * H]
         return hidden if rows is None else hidden.index_select(0, rows)
-
-    def _prefill(self, req: _Request, drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self.prefix_cache.reuse(req.prompt_ids, self.cache, drafter)
-        req.stats.cached_tokens = cached
-        logits, captured = self._prefill_rows(req, req.prompt[cached:])  # [1, V]
-        if drafter is not None:
-            drafter.prefill(req.prompt, req.params, cached=cached)  # features: the computed rows only
-            hidden = self._features(req, captured, None)
-            if hidden is not None:
-                drafter.feed(hidden)
-        token = self._choose(req, self._process(req, logits, _NO_DRAFT), [len(req.prompt_ids)])  # [1]
-        req.stats.t_first = time.perf_counter()
-        return token, logits
-
-    def _prefill_rows(self, req: _Request, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run ``ids`` [T] in passes of at most PREFILL_CHUNK rows; logits [1, V] of the last row
-        and each captured layer's rows [T, H]."""
-        parts: list[list[torch.Tensor]] = []
-        logits = torch.empty(0)
-        t = ids.shape[0]
-        for s, e in prefill_chunks(0, t):
-            logits, captured = self._run(req, ids[s:e], num_logits=1 if e == t else 0)
-            parts.append(captured)
-        if len(parts) == 1:
-            return logits, parts[0]
-        return logits, [torch.cat(rows) for rows in zip(*parts, strict=True)]
 
     @staticmethod
     def _choose(req: _Request, processed: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
@@ -348,31 +635,6 @@ class Engine:
         history = req.output_tensor() if req.params.needs_history else _NO_DRAFT.tokens
         return process_logits(logits, req.params, req.prompt, history, draft.tokens if draft.k else None)
 
-    def _verify(self, req: _Request, draft: Draft) -> tuple[Verdict, torch.Tensor, torch.Tensor | None]:
-        start = self.cache.length
-        draft = draft.to(self.device)
-        ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), draft.tokens])  # [k+1]
-        logits, captured = self._run(req, ids)  # [k+1, V]
-        chosen = self._choose(req, self._process(req, logits, draft), range(start + 1, start + draft.k + 2))
-        verdict = verify_greedy(chosen, draft)
-        self.cache.truncate(start + 1 + verdict.num_accepted)  # keep last token + accepted drafts
-        kept = torch.arange(verdict.num_accepted + 1, device=self.device)
-        return verdict, logits, self._features(req, captured, kept)
-
-    def _verify_tree(self, req: _Request, tree: DraftTree) -> tuple[Verdict, torch.Tensor, torch.Tensor | None]:
-        """One pass over [last] + nodes, each row seeing the prefix and its own ancestors; keep the
-        accepted path. Returns the verdict, the raw logits of the kept rows and their features."""
-        start = self.cache.length
-        ids = torch.cat([torch.tensor(req.output[-1:], device=self.device), tree.tokens.to(self.device)])
-        positions = tree_positions(start, tree, self.device)  # [N+1]
-        mask = tree_mask(start, tree, self.device)  # [N+1, start+N+1]
-        logits, captured = self._run(req, ids, positions=positions, mask=mask)  # [N+1, V]
-        chosen = self._choose(req, self._process_tree(req, logits, tree), (positions + 1).tolist())
-        verdict = verify_tree_greedy(chosen, tree)
-        rows = verdict.rows.to(self.device)  # [n+1]: the root, then the accepted path
-        self.cache.compact(start, rows)
-        return verdict, logits.index_select(0, rows), self._features(req, captured, rows)
-
     def _process_tree(self, req: _Request, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
         """Like :meth:`_process` for tree rows (no constraint: trees are cut to chains for those).
 
@@ -390,12 +652,6 @@ class Engine:
             ids = torch.tensor(history, dtype=torch.long, device=self.device)
             rows.append(process_logits(logits[row : row + 1], req.params, req.prompt, ids))
         return torch.cat(rows)
-
-    def _budget(self, req: _Request, k: int) -> int:
-        """Draft no further than the tokens still allowed and the cache still holds."""
-        left = req.params.max_tokens - len(req.output) - 1
-        room = self.cache.max_len - self.cache.length - 1
-        return max(0, min(k, left, room))
 
     def _emit(self, req: _Request, tokens: torch.Tensor, logits: torch.Tensor) -> StepOutput:
         """Apply stops token by token; ``logits`` [>= n, V] row i is token i's raw distribution."""

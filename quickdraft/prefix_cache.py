@@ -106,6 +106,15 @@ class PrefixCacheStats:
 
 
 @dataclass
+class Working:
+    """What a working cache holds: ids whose keys/values fill its first len(held) slots, and the
+    drafter whose state follows them."""
+
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    drafter: weakref.ref | None = None
+
+
+@dataclass
 class PrefixCache:
     """The working sequence of one engine's cache plus stored copies under ``budget_bytes``.
 
@@ -117,9 +126,8 @@ class PrefixCache:
     budget_bytes: int = 0
     entries: list[CachedSequence] = field(default_factory=list)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    # the working cache's sequence: ids whose keys/values fill its first len(held) slots
-    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    held_drafter: weakref.ref | None = None  # the drafter whose working state follows ``held``
+    # each working cache's sequence (an engine of several sequences has one per lane)
+    working: weakref.WeakKeyDictionary[KVCache, Working] = field(default_factory=weakref.WeakKeyDictionary)
     _tick: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -133,31 +141,44 @@ class PrefixCache:
 
     # -------------------------------------------------------------- per request
 
+    def _working(self, cache: KVCache) -> Working:
+        if cache not in self.working:
+            self.working[cache] = Working()
+        return self.working[cache]
+
+    def held_prefix(self, prompt: np.ndarray, cache: KVCache) -> int:
+        """How many leading ``prompt`` ids ``cache`` still holds from its last sequence (an engine
+        of several sequences gives a request the lane that holds the most)."""
+        if not self.enabled:
+            return 0
+        return common_prefix(self._working(cache).held, prompt, cache.length)
+
     def reuse(self, prompt: np.ndarray, cache: KVCache, drafter: Drafter | None) -> int:
         """Put the longest cached prefix of ``prompt`` into ``cache`` (and the drafter's state) and
         return its length m: the caller computes ``prompt[m:]``. m < len(prompt) always."""
         if not self.enabled:
             cache.reset()
             return 0
+        work = self._working(cache)
         limit = len(prompt) - 1  # the last prompt token is always run: its logits pick the next
-        m = common_prefix(self.held, prompt, min(limit, cache.length))
+        m = common_prefix(work.held, prompt, min(limit, cache.length))
         best, best_m = self._match(prompt, limit) if cache.copyable else (None, 0)
         if best is not None and best_m > m:
             self._store_working(cache)
             cache.restore(best.kv, best_m)
             best.last_used = next(self._tick)
-            self.held_drafter = None  # the working drafter state no longer follows ``held``
+            work.drafter = None  # the working drafter state no longer follows ``held``
             made_it = best.drafter is not None and best.drafter() is drafter
             if drafter is not None and made_it:
                 drafter.restore(best.drafter_state)  # it made the snapshot
-                self.held_drafter = best.drafter
-            self.held, m = best.tokens, best_m
-        elif m < len(self.held) and cache.copyable:
+                work.drafter = best.drafter
+            work.held, m = best.tokens, best_m
+        elif m < len(work.held) and cache.copyable:
             self._store_working(cache)  # a branch: keep what the truncation would lose
         if drafter is not None:  # a feature drafter holds features for fewer tokens, maybe
             m = min(m, drafter.covered(prompt))
         cache.truncate(min(m, cache.length))
-        self.held = self.held[:m]
+        work.held = work.held[:m]
         self.stats.requests += 1
         self.stats.hits += int(m > 0)
         self.stats.prompt_tokens += len(prompt)
@@ -169,13 +190,13 @@ class PrefixCache:
         (prompt + committed output) up to its length; remember them for the next request."""
         if not self.enabled:
             return
-        self.held = tokens[: cache.length]
-        self.held_drafter = weakref.ref(drafter) if drafter is not None else None
+        work = self._working(cache)
+        work.held = tokens[: cache.length]
+        work.drafter = weakref.ref(drafter) if drafter is not None else None
 
     def clear(self) -> None:
         self.entries.clear()
-        self.held = self.held[:0]
-        self.held_drafter = None
+        self.working.clear()
 
     # -------------------------------------------------------------- entries
 
@@ -190,21 +211,22 @@ class PrefixCache:
     def _store_working(self, cache: KVCache) -> None:
         """Copy the working sequence out (with its drafter's state) unless a stored entry already
         holds it; entries it extends are dropped, then the least recently used go over budget."""
-        n = min(len(self.held), cache.length)
+        work = self._working(cache)
+        n = min(len(work.held), cache.length)
         if n == 0:
             return
-        tokens = self.held[:n]
+        tokens = work.held[:n]
         for e in self.entries:
             if common_prefix(e.tokens, tokens) == n:  # already stored (maybe longer)
                 e.last_used = next(self._tick)
                 return
-        drafter = self.held_drafter() if self.held_drafter is not None else None
+        drafter = work.drafter() if work.drafter is not None else None
         state = drafter.snapshot() if drafter is not None else None
         nbytes = n * cache.bytes_per_token + state_bytes(state)
         if nbytes > self.budget_bytes:
             return
         self.entries = [e for e in self.entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
-        entry = CachedSequence(tokens.copy(), cache.snapshot(n), self.held_drafter if state is not None else None,
+        entry = CachedSequence(tokens.copy(), cache.snapshot(n), work.drafter if state is not None else None,
                                state, nbytes, next(self._tick))
         self.entries.append(entry)
         self.stats.stored += 1

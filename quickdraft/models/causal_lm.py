@@ -25,6 +25,7 @@ from quickdraft.models.layers import (
     Linear,
     RMSNorm,
     Rope,
+    RowSlots,
     Step,
     allocate_empty,
     causal_mask,
@@ -96,12 +97,16 @@ class CausalLM(nn.Module):
         mask: torch.Tensor | None = None,
         capture: Sequence[int] = (),
         num_logits: int | None = None,
+        rows: RowSlots | None = None,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run ``ids`` [T] through the model, writing their keys/values into the next T cache slots.
 
         positions: RoPE positions [T] (default: the slots themselves). mask: [T, start + T] bool for
-        trees (default: causal). capture: layer indices whose INPUT hidden state [T, H] is returned
-        (index L = the final norm's input). num_logits: compute logits only for the last n rows (0: none).
+        trees (default: causal). rows: each row's visible slots given explicitly instead (a pass
+        over several sequences; at most BLOCKED_MAX_ROWS rows). capture: layer indices whose INPUT
+        hidden state [T, H] is returned (index L = the final norm's input). num_logits: compute
+        logits only for the last n rows (0: none); logit_rows: only for these rows [n].
         Returns logits [n, V] in float32 and the captured hidden states.
         """
         t = ids.shape[0]
@@ -109,10 +114,16 @@ class CausalLM(nn.Module):
         device = ids.device
         if positions is None:
             positions = torch.arange(start, end, device=device)
-        tree = mask is not None
-        if mask is None:
-            mask = causal_mask(start, t, device)
-        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+        if rows is not None:
+            if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
+                raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
+            step = Step(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
+                        slot_pos=rows.slot_pos)
+        else:
+            tree = mask is not None
+            if mask is None:
+                mask = causal_mask(start, t, device)
+            step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
         x = self.embed(ids)  # [T, H]
         stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
@@ -125,6 +136,8 @@ class CausalLM(nn.Module):
             return x.new_zeros(0, self.config.vocab_size, dtype=torch.float32), captured
         if num_logits is not None:
             x = x[-num_logits:]
+        elif logit_rows is not None:
+            x = x.index_select(0, logit_rows)
         return self.logits(x), captured
 
     def prefill(

@@ -239,6 +239,18 @@ class Rope(nn.Module):
         return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class RowSlots:
+    """What each row of a pass sees, given explicitly instead of by a mask: a pass over rows of
+    several sequences (:class:`~quickdraft.cache.KVPool`). ``slots[i]`` [n_i]: the cache slots row i
+    attends to, in position order (its sequence's committed slots, then its own rows of this pass
+    that it may see); ``slot_pos`` [start + T]: the position each slot holds. A row's result is
+    bitwise what the same row computes alone over its sequence's own cache (same keys, same order)."""
+
+    slots: list[torch.Tensor]
+    slot_pos: torch.Tensor
+
+
 @dataclass
 class Step:
     """What every layer of one forward pass shares: where to write and what each query sees."""
@@ -248,7 +260,11 @@ class Step:
     mask: torch.Tensor | None  # [T, start + T] bool (True = may attend), None = every slot up to the end
     cache: KVCache
     tree: bool = False  # mask is not causal: short passes gather each row's visible slots
-    row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i
+    row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i, in position order
+    # The position each slot up to the pass's end holds, where slots are not positions (a pass over
+    # rows of several sequences, :class:`~quickdraft.cache.KVPool`); None: committed slot j holds
+    # position j and the pass's slots ``positions``.
+    slot_pos: torch.Tensor | None = None
     # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
     # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
     slots: torch.Tensor | None = None
@@ -260,6 +276,14 @@ class Step:
     def __post_init__(self) -> None:
         if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
             self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
+
+    def slot_positions(self) -> torch.Tensor:
+        """Position of every cache slot this pass can see [start + T] (sliding windows and
+        chunked attention cut by position)."""
+        if self.slot_pos is not None:
+            return self.slot_pos
+        before = torch.arange(self.start, device=self.positions.device, dtype=self.positions.dtype)
+        return torch.cat([before, self.positions])
 
     def flat_slots(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Tree rows' visible slots as one flat tensor and row offsets [T + 1] (the native
@@ -280,9 +304,11 @@ class Step:
         Hugging Face's ``kv > q - size``). Committed slots hold their own position; this pass's
         slots hold ``positions`` (tree depths included). Computed once per pass and size."""
         if size not in self._windows:
-            slot_pos = torch.cat([torch.arange(self.start, device=self.positions.device), self.positions])
-            near = slot_pos.unsqueeze(0) > self.positions.unsqueeze(1) - size  # [T, start + T]
-            mask = near if self.mask is None else self.mask & near
+            slot_pos = self.slot_positions()
+            mask = None  # rows given by slot lists alone (a pass over several sequences) need none
+            if self.mask is not None or self.row_slots is None:
+                near = slot_pos.unsqueeze(0) > self.positions.unsqueeze(1) - size  # [T, start + T]
+                mask = near if self.mask is None else self.mask & near
             rows = None
             if self.row_slots is not None:
                 rows = [idx[slot_pos[idx] > p - size] for idx, p in zip(self.row_slots, self.positions.tolist(), strict=True)]

@@ -59,13 +59,6 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
     return torch.tensor(scales, dtype=torch.float32, device=positions.device)
 
 
-def slot_positions(step: Step) -> torch.Tensor:
-    """Position of every cache slot this pass can see [start + T]: committed slots hold their own
-    position, the pass's slots the positions it was given."""
-    before = torch.arange(step.start, device=step.positions.device, dtype=step.positions.dtype)
-    return torch.cat([before, step.positions])
-
-
 class Llama4Attention(Attention):
     def __init__(self, cfg: ModelConfig, rope: Rope, layer: int) -> None:
         super().__init__(cfg, rope)
@@ -102,7 +95,7 @@ class Llama4Attention(Attention):
             out = self._attend(q, keys, values, self._chunk_mask(step, self.chunk))
         else:
             pos = step.positions.tolist()
-            slots = None if step.row_slots is None else slot_positions(step)
+            slots = None if step.row_slots is None else step.slot_positions()
             out = torch.cat(
                 [self._attend_chunk_row(q, keys, values, step, i, pos[i], slots) for i in range(t)], dim=1
             )
@@ -111,7 +104,7 @@ class Llama4Attention(Attention):
     @staticmethod
     def _chunk_mask(step: Step, chunk: int) -> torch.Tensor:
         """The pass's mask [T, start + T] restricted to each query's chunk."""
-        same = (slot_positions(step).unsqueeze(0) // chunk) == (step.positions.unsqueeze(1) // chunk)
+        same = (step.slot_positions().unsqueeze(0) // chunk) == (step.positions.unsqueeze(1) // chunk)
         return same if step.mask is None else same & step.mask
 
     def _attend_chunk_row(
@@ -120,7 +113,7 @@ class Llama4Attention(Attention):
     ) -> torch.Tensor:
         """Row i (at position ``pos``) over the slots it may see inside its chunk, as one
         decode-shaped call: the same keys in the same order as plain decoding of that token, so
-        batch invariant. ``slot_pos``: :func:`slot_positions` for tree passes."""
+        batch invariant. ``slot_pos``: :meth:`Step.slot_positions` for tree passes."""
         chunk = self.chunk
         assert chunk is not None
         if step.row_slots is None or slot_pos is None:  # chain: slots and positions advance together

@@ -79,6 +79,12 @@ class Drafter:
     def reset(self) -> None:
         """Forget the request."""
 
+    def fork(self) -> Drafter:
+        """A drafter of the same kind for another sequence generated at the same time: it shares
+        what is read-only or learned across requests (models, weights, cost and acceptance
+        statistics) and owns the per-sequence state (its caches, indexes, the current request)."""
+        raise NotImplementedError(f"drafter {self.name!r} cannot draft for several sequences at once")
+
     def feed(self, hidden: Tensor) -> None:
         """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""
         raise NotImplementedError(f"drafter {self.name!r} reads no target features")

@@ -108,6 +108,15 @@ class DraftModelDrafter(Drafter):
         self._proposed: Tensor | None = None
         self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
 
+    def fork(self) -> DraftModelDrafter:
+        """Another sequence's drafter on the same draft model (its own KV cache). The model's cut
+        output head is shared: each prefill widens it with that prompt's ids, so concurrent
+        sequences draft from the latest prompt's cut (any draft distribution stays lossless)."""
+        twin = DraftModelDrafter(self.model, self.target_vocab, self.eager, self.vocab, self.stop_below,
+                                 self.prefill_window)
+        twin.last_token_seconds = self.last_token_seconds
+        return twin
+
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         # q must be shaped like p except for penalties (they need history the draft lacks; any q
         # stays lossless, a closer one just accepts more).

@@ -21,6 +21,7 @@ which asks the engine for the union of their layers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -325,6 +326,11 @@ class AutoDrafter(Drafter):
     def reset(self) -> None:
         for c in self.candidates:
             c.drafter.reset()
+
+    def fork(self) -> AutoDrafter:
+        """Forks of the candidates under the same cost model; acceptance statistics are shared."""
+        return AutoDrafter([dataclasses.replace(c, drafter=c.drafter.fork()) for c in self.candidates], self.cost,
+                           self.fixed_k)
 
 
 def _cut(draft: Draft | DraftTree, k: int) -> Draft | DraftTree:

@@ -152,6 +152,7 @@ class Eagle3Drafter(Drafter):
         if head.config.vocab_size != target.config.vocab_size:
             raise QuickdraftError("the EAGLE-3 head's vocabulary differs from the target's; load it with load_head")
         self.head = head
+        self.target = target
         self.mode = mode
         self.shape = shape or default_shape(head.device)
         self.policy = policy
@@ -237,6 +238,12 @@ class Eagle3Drafter(Drafter):
             self._calibrate(self._last, emitted)
         self._last, self._t_ready = None, 0.0
         self.tokens.extend(emitted)
+
+    def fork(self) -> Eagle3Drafter:
+        twin = Eagle3Drafter(self.head, self.target, self.mode, self.shape, self.cost, self.head_seconds, self.policy,
+                             self.observe_cost, self.alpha)
+        twin.variant = self.variant
+        return twin
 
     def reset(self) -> None:
         self.cache.reset()
