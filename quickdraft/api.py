@@ -19,6 +19,7 @@ from quickdraft.config import (
     CUDA_GRAPH_MODES,
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_VOCAB,
+    DEFAULT_MAX_CONCURRENCY,
     prefix_cache_bytes,
     resolve_device,
 )
@@ -26,6 +27,7 @@ from quickdraft.engine import Engine, RequestStats, StepOutput, runtime_warning
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels.tuning import tune as tune_kernels
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.causal_lm import CausalLM
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.factory import SpecConfig, build_drafter
@@ -73,6 +75,7 @@ class LLM:
         draft_confidence: float | None = None,
         prefix_cache_mb: int | None = None,
         kv_dtype: str = "auto",
+        max_concurrency: int | None = 1,
     ) -> None:
         """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
         .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
@@ -87,7 +90,10 @@ class LLM:
         at all; None = the default, DEFAULT_PREFIX_CACHE_MB capped at a quarter of the memory): a
         request that begins with the ids of an earlier one (a conversation's history) computes only
         the rest. ``kv_dtype``: the KV cache's element type (auto: float16 on the CPU kernels' path,
-        else the activation dtype; float32, float16, bfloat16)."""
+        else the activation dtype; float32, float16, bfloat16). ``max_concurrency``: sequences the
+        engine generates at once (the server's continuous batching; each holds a KV region of the
+        context length); None = auto: up to DEFAULT_MAX_CONCURRENCY, as many as fit a quarter of
+        the memory."""
         self.threads = configure_threads(threads)
         spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
                           draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
@@ -109,8 +115,11 @@ class LLM:
             self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context, kv_dtype=kv_dtype)
         self.tokenizer = self.target.tokenizer
         self.prefix_cache = PrefixCache(budget)
+        if max_concurrency is None:
+            max_concurrency = 1 if tensor_parallel > 1 else auto_concurrency(self.target.model,
+                                                                             psutil.virtual_memory().total)
         self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs, warn=log or runtime_warning,
-                             prefix_cache=self.prefix_cache)
+                             prefix_cache=self.prefix_cache, max_sequences=max_concurrency)
         if log is not None:
             log(describe_memory(self.engine, self.prefix_cache))
         if tensor_parallel == 1:
@@ -150,12 +159,20 @@ class LLM:
         return _collect(messages, self.stream_chat(messages, params))
 
 
+def auto_concurrency(model: CausalLM, memory: int) -> int:
+    """--max-concurrency auto: up to DEFAULT_MAX_CONCURRENCY sequences, as many whose KV regions
+    (the context length each) fit a quarter of ``memory``, at least 1."""
+    lane = model.max_len * model.make_cache(1).bytes_per_token
+    return max(1, min(DEFAULT_MAX_CONCURRENCY, memory // 4 // max(lane, 1)))
+
+
 def describe_memory(engine: Engine, prefix: PrefixCache) -> str:
     """One start-up line: the KV cache's size per token and in all, and the prefix cache's budget."""
     cache = engine.cache
     per_token = cache.bytes_per_token
-    line = (f"KV cache: {cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.kind}) = "
-            f"{cache.max_len * per_token / 2**20:.0f} MB; ")
+    lanes = f"{engine.max_sequences} sequences x " if engine.max_sequences > 1 else ""
+    line = (f"KV cache: {lanes}{cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.kind}) = "
+            f"{engine.kv_bytes / 2**20:.0f} MB; ")
     if not prefix.enabled:
         return line + "prefix cache: off"
     if not cache.copyable:

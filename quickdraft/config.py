@@ -27,6 +27,8 @@ DEFAULT_DRAFT_CONFIDENCE = 0.8
 # Host memory for stored prefix-cache copies (quickdraft.prefix_cache), capped at a quarter of the
 # machine's memory: 8 conversations of 4k tokens of Qwen2.5-Coder-1.5B + its 0.5B draft take ~2.7 GB.
 DEFAULT_PREFIX_CACHE_MB = 4096
+# quickdraft serve generates this many requests at once by default (fewer where their KV does not fit)
+DEFAULT_MAX_CONCURRENCY = 4
 
 
 def prefix_cache_bytes(mb: int | None, total_bytes: int) -> int:

@@ -260,6 +260,7 @@ class Engine:
         self.graphs = make_step_graphs(model, self.lanes[0], cuda_graphs if max_sequences == 1 else "off", warn=warn)
         self.running: list[Generation] = []
         self._free = list(range(max_sequences))
+        self.last_pass_rows = 0  # rows of the last step's pass
 
     @property
     def cache(self) -> KVCache:
@@ -360,6 +361,7 @@ class Engine:
                 results.append(part_or_error)
         if not parts:
             return results
+        self.last_pass_rows = sum(p.rows for p in parts)
         t0 = time.perf_counter()
         outputs = self._forward(parts)
         seconds = time.perf_counter() - t0

@@ -11,11 +11,13 @@ from quickdraft.config import (
     CUDA_GRAPH_MODES,
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_VOCAB,
+    DEFAULT_MAX_CONCURRENCY,
     DEFAULT_PREFIX_CACHE_MB,
     DEVICES,
     DTYPE_CHOICES,
     KV_DTYPE_CHOICES,
 )
+from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,9 +110,29 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
               draft_vocab=getattr(args, "draft_vocab", None), device=getattr(args, "device", "auto"),
               draft_confidence=getattr(args, "draft_confidence", None),
               cuda_graphs=getattr(args, "cuda_graphs", "auto"),
-              prefix_cache_mb=getattr(args, "prefix_cache_mb", None), kv_dtype=getattr(args, "kv_dtype", "auto"))
+              prefix_cache_mb=getattr(args, "prefix_cache_mb", None), kv_dtype=getattr(args, "kv_dtype", "auto"),
+              max_concurrency=parse_concurrency(getattr(args, "max_concurrency", "1")))
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {describe_drafter(llm.drafter)}")
     return llm
+
+
+def add_concurrency_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--max-concurrency", default="auto", metavar="N",
+                   help="requests generated at once, in shared passes (continuous batching; each answer is "
+                        "bitwise what it is alone); more wait in a FIFO queue (auto, the default: up to "
+                        f"{DEFAULT_MAX_CONCURRENCY}, as many as the KV memory of a context each fits in a quarter of the memory)")
+
+
+def parse_concurrency(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise QuickdraftError(f"--max-concurrency takes a number of at least 1 or 'auto', got {text!r}")
+    return n
 
 
 def info(msg: str) -> None:

@@ -14,7 +14,7 @@ import os
 import socket
 from types import FrameType
 
-from quickdraft.cli.common import add_model_args, info, load_llm
+from quickdraft.cli.common import add_concurrency_arg, add_model_args, info, load_llm
 from quickdraft.errors import QuickdraftError
 
 
@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how the model writes tool calls (default: auto, from the chat template's markers; "
         "none: refuse requests with tools)",
     )
+    add_concurrency_arg(g)
     g.add_argument(
         "--log-level",
         default="warning",

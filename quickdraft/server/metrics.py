@@ -72,7 +72,17 @@ class ServerMetrics:
         self.tau = Gauge(
             p + "spec_tau", "Tokens emitted per target pass, over all requests", registry=r
         )
-        self.running = Gauge(p + "requests_running", "Generations running (0 or 1)", registry=r)
+        self.running = Gauge(p + "requests_running", "Generations running at once", registry=r)
+        self.max_running = Gauge(p + "requests_running_max", "Generations the engine can run at once (--max-concurrency)",
+                                 registry=r)
+        self.batch_sequences = Histogram(
+            p + "batch_sequences", "Generations sharing an engine pass", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            p + "batch_rows", "Rows of an engine pass (prompt chunks, last tokens and drafts of every generation)",
+            buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64), registry=r,
+        )
         self.waiting = Gauge(p + "requests_waiting", "Requests queued for the engine", registry=r)
         self._lock = threading.Lock()
         self._emitted = 0  # accepted + passes, for tau

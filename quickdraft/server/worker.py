@@ -1,11 +1,13 @@
-"""One engine thread behind a fair FIFO queue, bridged to asyncio.
+"""One engine thread that generates many requests at once, behind a fair FIFO queue, bridged to asyncio.
 
-The engine holds one KV cache, so one generation runs at a time: requests wait in arrival order
-(first come, first served; none can starve another) and the engine thread runs them one by one.
-Each request gets an asyncio queue of :class:`StepOutput` that the thread fills with
-``loop.call_soon_threadsafe``; the event loop never blocks on the engine. A request is cancelled
-with a flag that the thread checks between engine steps, so a client that goes away stops its
-generation after the step in flight (a fraction of a second), not at max_tokens.
+The engine steps every running generation in one target pass (continuous batching): between
+steps the thread admits queued requests while the engine has a free lane (first come, first
+served; none can starve another, and a running request is never stalled by a new one's prompt for
+more than one pass's share), and removes those that finished or were cancelled. Each request gets
+an asyncio queue of :class:`StepOutput` that the thread fills with ``loop.call_soon_threadsafe``;
+the event loop never blocks on the engine. A request is cancelled with a flag that the thread
+checks between engine steps, so a client that goes away frees its lane after the step in flight.
+Every answer is bitwise the one it gets alone: the engine's passes are batch-invariant.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Generator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from quickdraft.constraints import Constraint
-from quickdraft.engine import Engine, StepOutput
+from quickdraft.engine import Engine, Generation, StepOutput
 from quickdraft.sampling import SamplingParams
-from quickdraft.server.metrics import ServerMetrics
+from quickdraft.server.metrics import RequestTimer, ServerMetrics
 from quickdraft.speculative.base import Drafter
 
 log = logging.getLogger("quickdraft.server")
@@ -69,8 +71,18 @@ class Job:
             yield item
 
 
+@dataclass(eq=False)
+class _Active:
+    """A job the engine is generating."""
+
+    job: Job
+    drafter: Drafter | None
+    timer: RequestTimer
+    last: StepOutput | None = None
+
+
 class EngineWorker:
-    """Runs queued jobs one at a time on a dedicated thread."""
+    """Runs queued jobs on a dedicated thread, up to the engine's ``max_sequences`` at once."""
 
     def __init__(
         self,
@@ -81,13 +93,19 @@ class EngineWorker:
         max_waiting: int = 1024,
     ) -> None:
         self.engine = engine
-        self.drafter = drafter
         self.num_draft = num_draft
         self.metrics = metrics
         self.max_waiting = max_waiting
+        # one drafter instance per sequence that can run at once (drafters keep per-sequence state)
+        self._drafters: list[Drafter | None] = [drafter]
+        if drafter is not None:
+            self._drafters += [drafter.fork() for _ in range(engine.max_sequences - 1)]
+        else:
+            self._drafters *= engine.max_sequences
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._current: Job | None = None
+        self._active: dict[Generation, _Active] = {}
+        metrics.max_running.set(engine.max_sequences)
 
     def start(self) -> None:
         if self._thread is None:
@@ -95,8 +113,8 @@ class EngineWorker:
             self._thread.start()
 
     def cancel_all(self) -> None:
-        """Cancel the running job and every queued one (their streams end at once)."""
-        for job in [self._current, *list(self._queue.queue)]:
+        """Cancel the running jobs and every queued one (their streams end at once)."""
+        for job in [*(a.job for a in list(self._active.values())), *list(self._queue.queue)]:
             if job is not None:
                 job.cancel()
 
@@ -123,43 +141,77 @@ class EngineWorker:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            if not self._admit():
+                break
+            if not self._active:
+                continue
+            for gen, active in list(self._active.items()):
+                if active.job.cancelled.is_set():  # checked between engine steps
+                    self.metrics.cancelled.inc()
+                    self._end(gen)
+            if not self._active:
+                continue
+            self.metrics.batch_sequences.observe(len(self._active))
+            try:
+                results = self.engine.step()
+            except Exception as exc:  # the pass itself failed: every generation in it ends with the error
+                log.exception("generation failed")
+                for gen, active in list(self._active.items()):
+                    self.metrics.failed.inc()
+                    active.job.push(exc)
+                    self._end(gen)
+                continue
+            self.metrics.batch_rows.observe(self.engine.last_pass_rows)
+            for gen, out in results:
+                active = self._active[gen]
+                if isinstance(out, Exception):  # reported to the client; the others go on
+                    log.error("generation failed: %s", out, exc_info=out)
+                    self.metrics.failed.inc()
+                    active.job.push(out)
+                    self._end(gen)
+                    continue
+                active.timer.step(len(out.token_ids))
+                active.last = out
+                active.job.push(out)
+                if out.finished:
+                    self._end(gen)
+        for gen in list(self._active):
+            self._end(gen)
+
+    def _admit(self) -> bool:
+        """Start queued jobs while the engine has room (waiting for one when nothing runs);
+        False once stop() was called."""
+        while self.engine.has_room():
+            try:
+                job = self._queue.get(block=not self._active)
+            except queue.Empty:
+                break
             self.metrics.waiting.set(self._queue.qsize())
             if job is None:
-                return
-            self.metrics.running.set(1)
-            self._current = job
-            try:
-                self._serve(job)
-            finally:
-                self._current = None
-                self.metrics.running.set(0)
+                return False
+            if job.cancelled.is_set():  # the client left while waiting
+                self.metrics.cancelled.inc()
                 job.push(_END)
+                continue
+            drafter = self._drafters.pop()
+            try:
+                gen = self.engine.add(job.prompt_ids, job.params, drafter, self.num_draft, job.constraint)
+            except Exception as exc:  # a request that cannot run: reported to its client only
+                log.info("request refused: %s", exc)
+                self.metrics.failed.inc()
+                self._drafters.append(drafter)
+                job.push(exc)
+                job.push(_END)
+                continue
+            self._active[gen] = _Active(job, drafter, self.metrics.request_timer(job.arrived))
+        self.metrics.running.set(len(self._active))
+        return True
 
-    def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while waiting
-            self.metrics.cancelled.inc()
-            return
-        steps = self.engine.generate(
-            job.prompt_ids, job.params, self.drafter, self.num_draft, job.constraint
-        )
-        timer = self.metrics.request_timer(job.arrived)
-        step: StepOutput | None = None
-        try:
-            for step in steps:
-                timer.step(len(step.token_ids))
-                job.push(step)
-                if step.finished:
-                    break
-                if job.cancelled.is_set():  # checked between engine steps
-                    self.metrics.cancelled.inc()
-                    break
-        except Exception as exc:  # reported to the client; the worker keeps serving
-            log.exception("generation failed")
-            self.metrics.failed.inc()
-            job.push(exc)
-        finally:
-            if isinstance(steps, Generator):
-                steps.close()  # runs the engine's cleanup now, not at garbage collection
-        if step is not None:
-            timer.finish(step.stats, step.finish_reason)
+    def _end(self, gen: Generation) -> None:
+        active = self._active.pop(gen)
+        self.engine.remove(gen)
+        self._drafters.append(active.drafter)
+        if active.last is not None:
+            active.timer.finish(active.last.stats, active.last.finish_reason)
+        active.job.push(_END)
+        self.metrics.running.set(len(self._active))

@@ -1,0 +1,284 @@
+"""Many sequences at once: every request's tokens are bitwise what it gets alone.
+
+The engine steps every running generation in ONE target pass (rows of several sequences: prompt
+chunks, last tokens, draft chains and trees), each row attending to its own sequence's KV region
+through explicit slot lists. These tests hold that to the strongest standard: token for token the
+answer of the same request run alone on an idle engine, greedy and seeded, with mixed drafters,
+lengths, stop conditions, cancellations and prefix-cache hits; and, below the engine, the logits
+and keys/values of a pass over several sequences bitwise equal to each sequence's own passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_spec import GGUF_LINEARS, ConstDrafter
+from test_tree import RandomTree
+from tiny import hf_to_gguf, make_tiny_hf_model
+
+from quickdraft.cache import KVPool
+from quickdraft.engine import Engine, Generation
+from quickdraft.errors import QuickdraftError
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.layers import RowSlots
+from quickdraft.prefix_cache import PrefixCache
+from quickdraft.sampling import SamplingParams
+from quickdraft.server.metrics import ServerMetrics
+from quickdraft.server.worker import EngineWorker
+from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.suffix import SuffixDrafter
+from quickdraft.speculative.tree import DraftTree, tree_mask, tree_positions
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = [
+    "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Hello",
+    # longer than a pass: its prompt is read in chunks between the others' decode steps
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n" * 2,
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",
+    "import os, sys, json\nfrom pathlib import Path\n",
+    "0123456789 +-*/=<>()",
+    "Speculative decoding drafts several tokens cheaply and verifies them in one pass.",
+]
+
+
+@pytest.fixture(scope="module", params=["llama-f32", "gemma3-f32", "qwen2-gguf"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    root = tmp_path_factory.mktemp("concurrency")
+    if request.param == "llama-f32":  # the Python layers, fp32
+        return load_model(str(make_tiny_hf_model(root, "llama", seed=5)), dtype="float32", max_context=256)
+    if request.param == "gemma3-f32":  # sliding-window layers (window 5): slot lists cut by position
+        return load_model(str(make_tiny_hf_model(root, "gemma3_text", seed=5)), dtype="float32", max_context=256)
+    from quickdraft.quant.ggml import kernels_active
+
+    if not kernels_active():
+        pytest.skip("the native kernels are not built on this machine")
+    folder = make_tiny_hf_model(root, "qwen2", seed=5, name="qwen2-gguf")
+    return load_model(str(hf_to_gguf(folder, root / "q.gguf", GGUF_LINEARS)), dtype="auto", max_context=256)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    drafter: str  # none | ngram | const | tree
+    k: int = 4
+
+
+def make_drafter(kind: str, vocab: int) -> Drafter | None:
+    if kind == "ngram":
+        return SuffixDrafter()
+    if kind == "const":  # mostly wrong chains
+        return ConstDrafter([5, 6, 7, 8, 9, 10])
+    if kind == "tree":
+        return RandomTree(vocab)
+    return None
+
+
+def requests(model: LoadedModel, n: int) -> list[Request]:
+    kinds = ["none", "ngram", "const", "tree"]
+    out = []
+    for i in range(n):
+        prompt = model.tokenizer.encode(TEXTS[i % len(TEXTS)])
+        params: dict[str, Any] = {"max_tokens": 12 + 5 * (i % 4), "ignore_eos": True}
+        if i % 3 == 1:  # seeded sampling: one answer per seed, alone or not
+            params |= {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
+        if i % 5 == 4:
+            params |= {"stop": ("e",), "ignore_eos": False}
+        out.append(Request(prompt, SamplingParams(**params), kinds[i % len(kinds)], k=2 + i % 5))
+    return out
+
+
+def alone(model: LoadedModel, req: Request) -> list[int]:
+    engine = Engine(model.model, model.tokenizer)
+    drafter = make_drafter(req.drafter, model.config.vocab_size)
+    return [t for s in engine.generate(req.prompt, req.params, drafter, req.k) for t in s.token_ids]
+
+
+def together(engine: Engine, model: LoadedModel, reqs: list[Request], cancel: dict[int, int] | None = None
+             ) -> dict[int, list[int]]:
+    """Run ``reqs`` through ``engine`` as a server would: admitted in order while lanes are free,
+    stepped together; ``cancel`` {request: after how many tokens it is removed}."""
+    cancel = cancel or {}
+    out: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+    waiting = list(range(len(reqs)))
+    running: dict[Generation, int] = {}
+    while waiting or running:
+        while waiting and engine.has_room():
+            i = waiting.pop(0)
+            r = reqs[i]
+            running[engine.add(r.prompt, r.params, make_drafter(r.drafter, model.config.vocab_size), r.k)] = i
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            i = running[gen]
+            out[i] += step.token_ids
+            if step.finished or (i in cancel and len(out[i]) >= cancel[i]):
+                engine.remove(gen)
+                del running[gen]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_concurrent_requests_equal_each_alone(model: LoadedModel, n: int) -> None:
+    reqs = requests(model, n)
+    engine = Engine(model.model, model.tokenizer, max_sequences=max(1, n // 2 + 1))  # some wait for a lane
+    got = together(engine, model, reqs)
+    for i, r in enumerate(reqs):
+        assert got[i] == alone(model, r), f"request {i} ({r.drafter}, {r.params}) differs from its answer alone"
+    assert engine.has_room() and not engine.running
+
+
+def test_cancelled_requests_free_their_lanes_and_leave_the_others_alone(model: LoadedModel) -> None:
+    reqs = requests(model, 6)
+    engine = Engine(model.model, model.tokenizer, max_sequences=3)
+    got = together(engine, model, reqs, cancel={0: 3, 2: 1, 3: 5})
+    for i, r in enumerate(reqs):
+        full = alone(model, r)
+        if i in (0, 2, 3):  # cut after the step that reached the count: a prefix of its answer
+            assert got[i] == full[: len(got[i])] and len(got[i]) < len(full)
+        else:
+            assert got[i] == full
+    assert len(engine._free) == 3 and not engine.running
+    # every lane works again after the cancellations
+    again = together(engine, model, reqs[1:4])
+    assert [again[i] for i in range(3)] == [alone(model, r) for r in reqs[1:4]]
+
+
+def test_prefix_cache_hits_under_load_equal_cold_runs(model: LoadedModel) -> None:
+    """A conversation's next turn (its history reused from a lane or a stored copy) while other
+    requests run equals the same prompt computed cold and alone."""
+    engine = Engine(model.model, model.tokenizer, max_sequences=2, prefix_cache=PrefixCache(64 << 20))
+    first = requests(model, 3)
+    got = together(engine, model, first)
+    follow = []
+    for i, r in enumerate(first):  # history + answer + a new message
+        prompt = r.prompt + got[i] + model.tokenizer.encode(" and then?")
+        follow.append(Request(prompt, r.params, r.drafter, r.k))
+    got2 = together(engine, model, follow + requests(model, 2))
+    assert engine.prefix_cache.stats.hits >= 3
+    for i, r in enumerate(follow + requests(model, 2)):
+        assert got2[i] == alone(model, r)
+
+
+def test_rows_of_several_sequences_in_one_pass_equal_each_alone(model: LoadedModel) -> None:
+    """Below the engine: one pass over a chain of sequence A, a decode row of B and a tree of C
+    (each after its own context in its own lane) gives bitwise each sequence's logits and keys /
+    values when it runs alone on its own cache."""
+    m = model.model
+    vocab = model.config.vocab_size
+    contexts = [model.tokenizer.encode(t) for t in TEXTS[:3]]
+    tree = DraftTree(torch.tensor([11, 12, 13, 14]), torch.tensor([-1, -1, 0, 1]), None)
+    new = [torch.tensor([3, 4, 5]), torch.tensor([6]), torch.cat([torch.tensor([7]), tree.tokens])]
+    # alone: each on its own cache
+    solo_logits, solo_kv = [], []
+    for i, (ctx, ids) in enumerate(zip(contexts, new, strict=True)):
+        cache = m.make_cache(64)
+        m.prefill(torch.tensor(ctx), cache)
+        start = cache.length
+        if i == 2:
+            logits, _ = m(ids, cache, positions=tree_positions(start, tree, m.device), mask=tree_mask(start, tree, m.device))
+        else:
+            logits, _ = m(ids, cache)
+        solo_logits.append(logits)
+        solo_kv.append(cache.k[:, :, : start + len(ids)].clone())
+    # together: the contexts in three lanes of a pool, the new rows in one pass
+    pool = KVPool(m.make_cache(3 * 64 + 16), 3, 64, 16)
+    for lane, ctx in zip(pool.lanes, contexts, strict=True):
+        m.prefill(torch.tensor(ctx), lane)
+    slots, positions, offset = [], [], 0
+    for i, ids in enumerate(new):
+        start = pool.lanes[i].length
+        committed = torch.arange(pool.base(i), pool.base(i) + start)
+        first = pool.staging_start + offset
+        if i == 2:
+            own = [first + row.nonzero().squeeze(1) for row in tree_mask(0, tree, m.device)]
+            positions.append(tree_positions(start, tree, m.device))
+        else:
+            own = [torch.arange(first, first + j + 1) for j in range(len(ids))]
+            positions.append(torch.arange(start, start + len(ids)))
+        slots += [torch.cat([committed, o]) for o in own]
+        offset += len(ids)
+    pos = torch.cat(positions)
+    pool.begin_pass(offset)
+    logits, _ = m(torch.cat(new), pool.buffer, positions=pos, rows=RowSlots(slots, pool.slot_positions(pos)))
+    assert logits.shape == (offset, vocab)
+    at = 0
+    for i, ids in enumerate(new):
+        assert torch.equal(logits[at : at + len(ids)], solo_logits[i]), f"sequence {i}'s rows differ in a shared pass"
+        pool.keep(i, torch.arange(at, at + len(ids)))
+        lane = pool.lanes[i]
+        assert torch.equal(lane.k[:, :, : lane.length], solo_kv[i])
+        at += len(ids)
+
+
+def test_engine_refuses_what_it_cannot_run(model: LoadedModel) -> None:
+    with pytest.raises(QuickdraftError, match="--max-concurrency"):
+        Engine(model.model, model.tokenizer, max_sequences=0)
+    engine = Engine(model.model, model.tokenizer, max_sequences=2)
+    prompt = model.tokenizer.encode("Hello")
+    engine.add(prompt, SamplingParams(max_tokens=4))
+    engine.add(prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(QuickdraftError, match="wait for one to finish"):
+        engine.add(prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        next(iter(engine.generate(prompt, SamplingParams(max_tokens=4))))
+
+
+def test_worker_serves_clients_at_once_in_arrival_order(model: LoadedModel) -> None:
+    """The server's worker: 6 clients, 2 lanes. Each answer equals its answer alone, requests start
+    in arrival order (FIFO: none starves), a client that leaves mid-stream frees its lane."""
+    reqs = [r for r in requests(model, 6) if r.drafter in ("none", "ngram")] * 2  # the server's kinds
+    engine = Engine(model.model, model.tokenizer, max_sequences=2)
+    worker = EngineWorker(engine, SuffixDrafter(), 4, ServerMetrics())
+    worker.start()
+    firsts: list[int] = []
+
+    async def client(i: int, r: Request) -> list[int]:
+        await asyncio.sleep(0.01 * i)  # arrive in index order
+        job = worker.submit(r.prompt, r.params, None)
+        ids: list[int] = []
+        async for step in job.steps():
+            if not ids:
+                firsts.append(i)
+            ids += step.token_ids
+            if i == 1 and len(ids) >= 2:
+                job.cancel()
+        return ids
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(client(i, r) for i, r in enumerate(reqs)))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        worker.stop()
+    assert sorted(firsts) == list(range(len(reqs)))  # everyone was served
+    assert len(reqs) - 1 not in firsts[:2]  # the last to arrive waited for a lane
+    for i, r in enumerate(reqs):
+        full = alone_with(model, r, SuffixDrafter(), 4)
+        assert got[i] == (full[: len(got[i])] if i == 1 else full)
+    assert len(engine._free) == 2
+
+
+def alone_with(model: LoadedModel, req: Request, drafter: Drafter | None, k: int) -> list[int]:
+    engine = Engine(model.model, model.tokenizer)
+    return [t for s in engine.generate(req.prompt, req.params, drafter, k) for t in s.token_ids]
+
+
+def test_lanes_are_regions_of_one_buffer(tmp_path: Path) -> None:
+    from quickdraft.cache import KVCache
+
+    buffer = KVCache(2, 2, 8, 3 * 10 + 4, torch.float32)
+    pool = KVPool(buffer, 3, 10, 4)
+    pool.lanes[1].k[0, 0, 2] = 7.0
+    assert buffer.k[0, 0, 12, 0] == 7.0 and pool.lanes[1].max_len == 10
+    with pytest.raises(ValueError, match="staging"):
+        pool.begin_pass(5)
