@@ -130,6 +130,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait on one request (default: 600)"
     )
+    g.add_argument(
+        "--concurrency", type=int, default=1, metavar="N",
+        help="N users at once, each sending its share of the prompts (endpoints only; serve in-process methods "
+        "with 'quickdraft serve --max-concurrency N'): per-user tok/s, TTFT, end-to-end, aggregate tok/s and "
+        "answers identical to alone (default: 1, the paired one-user benchmark)",
+    )
     g = p.add_argument_group("prompts and sampling")
     g.add_argument(
         "--dataset",
@@ -168,6 +174,13 @@ def run(args: argparse.Namespace) -> int:
     from quickdraft.speculative.factory import SpecConfig, parse_num_draft
 
     methods, endpoints = _plan(args)
+    if args.concurrency < 1:
+        raise QuickdraftError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.concurrency > 1 and methods:
+        raise QuickdraftError(
+            "--concurrency measures endpoints: start 'quickdraft serve --max-concurrency N' and pass --endpoint "
+            "(in-process methods are measured one user at a time)"
+        )
     opts = runner.MethodOptions(
         args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance,
         DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab, args.cuda_graphs,
@@ -195,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     info(
         f"dataset {dataset.name}: {len(dataset.items)} prompts, {dataset.requests_per_method} requests per method"
     )
+    if args.concurrency > 1:
+        return _run_concurrency(args, methods, endpoints, opts, dataset, settings)
     contenders, model_path, model = _contenders(args, methods, endpoints, opts)
     info(f"measuring {', '.join(c.name for c in contenders)}; speedup over {baseline}")
     records = runner.run_bench(contenders, dataset, settings, progress=not args.no_progress)
@@ -209,6 +224,39 @@ def run(args: argparse.Namespace) -> int:
     if "roofline" in result:
         print(result["roofline"]["line"], flush=True)
     info(f"wrote {paths['json']}, {paths['md']}, {paths['png']}")
+    return 0
+
+
+def _run_concurrency(
+    args: argparse.Namespace, methods: list[str], endpoints: list[tuple[str, str]], opts: Any, dataset: Any,
+    settings: Any,
+) -> int:
+    import json
+
+    from quickdraft.bench import concurrency
+
+    contenders, model_path, _ = _contenders(args, methods, endpoints, opts)
+    runs = []
+    for c in contenders:
+        info(f"{c.name}: each prompt alone, then {args.concurrency} users at once ...")
+        if settings.warmup:
+            c.run(concurrency.first_user_message(dataset.items[0]), settings.params(0), None)
+        runs.append(concurrency.run_concurrent(c, dataset, settings, args.concurrency))
+    meta = _meta(args, model_path, dataset, methods, opts)
+    meta["settings"]["concurrency"] = args.concurrency
+    result = {"meta": meta, "runs": [r.summary() for r in runs],
+              "requests": [{"contender": r.contender, "user": u.user, "prompt": u.prompt, "ttft": u.ttft,
+                            "e2e": u.e2e, "tokens_per_second": u.tokens_per_second,
+                            "output_tokens": u.trace.output_tokens, "identical_to_alone": u.identical}
+                           for r in runs for u in r.results]}
+    out = args.out or Path("benchmarks") / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "concurrency.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = concurrency.markdown(runs, {"command": meta["command"], "created": meta["created"],
+                                     "dataset": dataset.name, "max_tokens": args.max_tokens})
+    (out / "concurrency.md").write_text(md)
+    print(md, flush=True)
+    info(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}")
     return 0
 
 
