@@ -352,7 +352,7 @@ def test_api_key(plain: Server) -> None:
             "maximum context length",
         ),
         ({"model": NAME, "messages": HAIKU, "temperature": -1}, 400, "temperature"),
-        ({"model": NAME, "messages": HAIKU, "n": 2}, 400, "n must be 1"),
+        ({"model": NAME, "messages": HAIKU, "n": 17}, 400, "n must be between 1 and 16"),
         ({"model": NAME, "messages": HAIKU, "top_k": -5}, 400, "top_k"),
         ({"model": NAME, "prompt": [10**9]}, 400, "token ids"),
         ({"model": NAME, "messages": HAIKU, "padding": "x" * (1 << 20)}, 413, "larger than"),
@@ -438,13 +438,51 @@ def _model_path(server: Server) -> Path:
 def test_errors_through_the_client_and_server_keeps_serving(spec: Server) -> None:
     with pytest.raises(openai.NotFoundError):
         _chat(spec, model="nope")
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        _chat(spec, n=3)
+    with pytest.raises(openai.BadRequestError, match="n must be between"):
+        _chat(spec, n=0)
     assert httpx.get(f"{spec.root}/v1/nothing").json()["error"]["code"] == "not_found"
     assert _chat(spec, max_tokens=2).choices[0].message.content
 
 
 # ----------------------------------------------------------------------------------- concurrency
+
+
+def test_n_choices_are_sequences_of_their_own(spec: Server) -> None:
+    """n > 1: one sequence per choice, generated at once; greedy choices are the one answer,
+    sampled choice i is the answer of seed + i; streamed chunks carry their choice's index and
+    add up to the whole answers; usage counts the prompt once and every choice's tokens."""
+    one = _chat(spec, max_tokens=8)
+    greedy = _chat(spec, n=3, max_tokens=8)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.message.content for c in greedy.choices} == {one.choices[0].message.content}
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    sampled = _chat(spec, n=2, temperature=1.0, seed=7, max_tokens=8)
+    alone = [_chat(spec, temperature=1.0, seed=7 + i, max_tokens=8).choices[0].message.content for i in range(2)]
+    assert [c.message.content for c in sampled.choices] == alone
+    stream = spec.client().chat.completions.create(
+        model=NAME, messages=HAIKU, n=2, temperature=1.0, seed=7, max_tokens=8, stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage, finished = ["", ""], None, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+        if not chunk.choices:
+            usage = chunk.usage
+    assert parts == alone and finished == {0, 1}
+    assert usage is not None and usage.completion_tokens == sampled.usage.completion_tokens
+    client = spec.client()
+    texts = client.completions.create(model=NAME, prompt="Once upon a time", n=2, max_tokens=6, temperature=1.0, seed=3)
+    assert [c.index for c in texts.choices] == [0, 1]
+    streamed = ["", ""]
+    for chunk in client.completions.create(model=NAME, prompt="Once upon a time", n=2, max_tokens=6, temperature=1.0,
+                                           seed=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in texts.choices]
 
 
 def test_concurrent_streams_equal_their_solo_runs(spec: Server) -> None:

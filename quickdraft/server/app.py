@@ -17,6 +17,7 @@ a client that disconnects cancels its request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -25,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -69,6 +70,7 @@ log = logging.getLogger("quickdraft.server")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a body (a tool schema needs a few)
 FINGERPRINT = f"quickdraft-{__version__}"
+RETRY_AFTER_S = 1  # what a 429 for a full queue tells the client to wait
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
 
@@ -163,7 +165,7 @@ def create_app(
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _anthropic_error(path: str, status: int, message: str, headers: Any = None) -> Response | None:
@@ -176,7 +178,7 @@ def _anthropic_error(path: str, status: int, message: str, headers: Any = None) 
 def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return _anthropic_error(request.url.path, exc.status, exc.message) or _error_response(exc)
+        return _anthropic_error(request.url.path, exc.status, exc.message, exc.headers) or _error_response(exc)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -335,24 +337,24 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
     async def chat(request: Request) -> Response:
         req = p.parse_request(p.ChatCompletionRequest, await _read_json(request))
         server.check_model(req.model)
-        prepared = await asyncio.to_thread(_prepare_chat, server, req)
-        job = _submit(server, prepared)
+        choices = await asyncio.to_thread(_choices, server, req, _prepare_chat)
+        jobs = _submit_all(server, choices)
         if req.stream:
-            return _sse(_chat_events(server, job, req.include_usage(), prepared))
-        steps = await _collect(request, job)
-        return JSONResponse(_chat_response(server, steps, prepared).model_dump())
+            return _sse(_chat_events(server, jobs, req.include_usage(), choices))
+        outputs = await _collect(request, jobs)
+        return JSONResponse(_chat_response(server, outputs, choices).model_dump())
 
     @app.post("/v1/completions", openapi_extra=_body_doc(p.CompletionRequest))
     async def completions(request: Request) -> Response:
         req = p.parse_request(p.CompletionRequest, await _read_json(request))
         server.check_model(req.model)
-        prepared = await asyncio.to_thread(_prepare_completion, server, req)
-        echo = server.llm.tokenizer.decode(prepared.prompt_ids) if req.echo else ""
-        job = _submit(server, prepared)
+        choices = await asyncio.to_thread(_choices, server, req, _prepare_completion)
+        echo = server.llm.tokenizer.decode(choices[0].prompt_ids) if req.echo else ""
+        jobs = _submit_all(server, choices)
         if req.stream:
-            return _sse(_completion_events(server, job, echo, req.include_usage()))
-        steps = await _collect(request, job)
-        return JSONResponse(_completion_response(server, steps, echo).model_dump())
+            return _sse(_completion_events(server, jobs, echo, req.include_usage()))
+        outputs = await _collect(request, jobs)
+        return JSONResponse(_completion_response(server, outputs, echo).model_dump())
 
     @app.post("/v1/messages", openapi_extra=_body_doc(m.MessagesRequest, anthropic=True))
     async def messages(request: Request) -> Response:
@@ -369,9 +371,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
                 lambda: _matched_stop(server, job.ids, stops),
             )
             return _sse(_messages_guarded(job, events))
-        steps = await _collect(request, _submit(server, prepared))
-        chat = _chat_response(server, steps, prepared)
-        matched = _matched_stop(server, [t for s in steps for t in s.token_ids], stops)
+        outputs = await _collect(request, [_submit(server, prepared)])
+        chat = _chat_response(server, outputs, [prepared])
+        matched = _matched_stop(server, [t for s in outputs[0] for t in s.token_ids], stops)
         return JSONResponse(m.to_message(chat, matched))
 
     @app.post(
@@ -400,8 +402,8 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
         if req.stream:
             return _sse(_response_events(server, job, prepared, req, store))
-        steps = await _collect(request, job)
-        response = r.to_response(req, _chat_response(server, steps, prepared))
+        outputs = await _collect(request, [job])
+        response = r.to_response(req, _chat_response(server, outputs, [prepared]))
         store(response)
         return JSONResponse(response)
 
@@ -426,11 +428,34 @@ def _card(server: _Server, name: str) -> p.ModelCard:
 
 
 def _submit(server: _Server, prepared: _Prepared) -> Job:
-    if server.worker.is_full():
+    return _submit_all(server, [prepared])[0]
+
+
+def _submit_all(server: _Server, choices: list[_Prepared]) -> list[Job]:
+    """Queue one job per choice (all or none: a full queue is a 429 with Retry-After)."""
+    if server.worker.waiting_room() < len(choices):
         raise ApiError(
-            429, "the server is busy: too many requests are waiting", kind="rate_limit_error"
+            429, "the server is busy: too many requests are waiting; retry shortly", kind="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-    return server.worker.submit(prepared.prompt_ids, prepared.params, prepared.constraint)
+    return [server.worker.submit(c.prompt_ids, c.params, c.constraint) for c in choices]
+
+
+R = TypeVar("R", p.ChatCompletionRequest, p.CompletionRequest)
+
+
+def _choices(server: _Server, req: R, prepare: Callable[[_Server, R], _Prepared]) -> list[_Prepared]:
+    """The request prepared once per choice (n): each has its own constraint state; sampled
+    choice i draws with seed + i (a given seed still means one answer per choice), greedy ones
+    are the same answer n times."""
+    first = prepare(server, req)
+    out = [first]
+    for i in range(1, req.n or 1):
+        nth = prepare(server, req) if first.constraint is not None else first
+        if nth.params.seed is not None:
+            nth = dataclasses.replace(nth, params=dataclasses.replace(nth.params, seed=nth.params.seed + i))
+        out.append(nth)
+    return out
 
 
 # ------------------------------------------------------------------------ request -> engine inputs
@@ -584,11 +609,14 @@ def _constraint(
 # ------------------------------------------------------------------------------ engine -> clients
 
 
-async def _collect(request: Request, job: Job) -> list[StepOutput]:
-    """All steps of a job, cancelling it if the client disconnects first."""
+async def _collect(request: Request, jobs: list[Job]) -> list[list[StepOutput]]:
+    """All steps of each job, cancelling them if the client disconnects first."""
 
-    async def gather() -> list[StepOutput]:
+    async def steps(job: Job) -> list[StepOutput]:
         return [step async for step in job.steps()]
+
+    async def gather() -> list[list[StepOutput]]:
+        return list(await asyncio.gather(*(steps(job) for job in jobs)))
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -600,22 +628,23 @@ async def _collect(request: Request, job: Job) -> list[StepOutput]:
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not result.done():
             raise ApiError(499, "the client closed the request")  # nobody reads this
-        steps = _engine_result(result)
+        outputs = _engine_result(result)
     finally:
         gone.cancel()
         result.cancel()
-        job.cancel()  # a no-op once finished
-    return steps
+        for job in jobs:
+            job.cancel()  # a no-op once finished
+    return outputs
 
 
-def _engine_result(task: asyncio.Future[list[StepOutput]]) -> list[StepOutput]:
+def _engine_result(task: asyncio.Future[list[list[StepOutput]]]) -> list[list[StepOutput]]:
     try:
-        steps = task.result()
+        outputs = task.result()
     except QuickdraftError as exc:
         raise ApiError(400, str(exc)) from None
-    if not steps or steps[-1].finish_reason is None:
+    if any(not steps or steps[-1].finish_reason is None for steps in outputs):
         raise ApiError(503, "the server is shutting down", kind="server_error")
-    return steps
+    return outputs
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -636,7 +665,7 @@ def _event(obj: BaseModel | dict[str, Any], usage_key: bool = True) -> str:
 _DONE = "data: [DONE]\n\n"
 
 
-async def _guarded(job: Job, events: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
+async def _guarded(jobs: list[Job], events: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
     """Stream ``events``; an error mid-stream becomes an error event; leaving cancels the job.
 
     A client disconnect cancels this generator at its ``await`` (Starlette watches for
@@ -653,7 +682,8 @@ async def _guarded(job: Job, events: Callable[[], AsyncIterator[str]]) -> AsyncI
         yield _event(error_body(f"internal server error ({type(exc).__name__})", "server_error"))
         yield _DONE
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
 
 async def _messages_guarded(job: Job, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -703,11 +733,14 @@ def _ids() -> tuple[str, int]:
     return uuid.uuid4().hex, int(time.time())
 
 
-def _chat_chunks(server: _Server, job: Job, prepared: _Prepared) -> AsyncIterator[p.ChatCompletionChunk]:
+def _chat_chunks(
+    server: _Server, job: Job, prepared: _Prepared, index: int = 0, stamp: tuple[str, int] | None = None
+) -> AsyncIterator[p.ChatCompletionChunk]:
     """The streamed chat completion as chunk objects: the role first, then content (and logprobs)
     as generated, each tool call's id and name then its arguments, and a last chunk with the
-    finish reason and usage. The Responses and Messages APIs translate these into their events."""
-    rid, created = _ids()
+    finish reason and usage. The Responses and Messages APIs translate these into their events.
+    ``index``: the choice these chunks are of; ``stamp``: the response's (id, created)."""
+    rid, created = stamp or _ids()
 
     def chunk(
         delta: p.Delta, logprobs: p.ChatLogprobs | None = None, finish: str | None = None, usage: p.Usage | None = None
@@ -717,7 +750,7 @@ def _chat_chunks(server: _Server, job: Job, prepared: _Prepared) -> AsyncIterato
             created=created,
             model=server.name,
             system_fingerprint=FINGERPRINT,
-            choices=[p.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)],
+            choices=[p.ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)],
             usage=usage,
         )
 
@@ -747,19 +780,71 @@ def _chat_chunks(server: _Server, job: Job, prepared: _Prepared) -> AsyncIterato
 
 
 def _chat_events(
-    server: _Server, job: Job, include_usage: bool, prepared: _Prepared
+    server: _Server, jobs: list[Job], include_usage: bool, choices: list[_Prepared]
 ) -> AsyncIterator[str]:
-    """The chat chunks as OpenAI's server-sent events, usage on the last one (and, under
-    stream_options.include_usage, a usage-only chunk after it), then [DONE]."""
+    """The chat chunks of every choice as OpenAI's server-sent events, in the order they are
+    generated; usage on each choice's last one (and, under stream_options.include_usage, one
+    usage-only chunk for all choices after them), then [DONE]."""
+    stamp = _ids()
+    streams = [_chat_chunks(server, job, prep, i, stamp) for i, (job, prep) in enumerate(zip(jobs, choices, strict=True))]
 
     async def events() -> AsyncIterator[str]:
-        async for chunk in _chat_chunks(server, job, prepared):
+        usages = []
+        last = None
+        async for chunk in _merged(streams):
             yield _event(chunk, usage_key=include_usage or chunk.usage is not None)
-            if chunk.usage is not None and include_usage:
-                yield _event(chunk.model_copy(update={"choices": []}))  # OpenAI's include_usage chunk
+            if chunk.usage is not None:
+                usages.append(chunk.usage)
+                last = chunk
+        if include_usage and last is not None:  # OpenAI's include_usage chunk
+            yield _event(last.model_copy(update={"choices": [], "usage": _total_usage(usages)}))
         yield _DONE
 
-    return _guarded(job, events)
+    return _guarded(jobs, events)
+
+
+T = TypeVar("T")
+
+
+async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of several streams as they come (one stream: itself); an error in any ends all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[int, T | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except BaseException as exc:
+            await queue.put((i, exc))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            _, got = await queue.get()
+            if got is None:
+                running -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _total_usage(usages: list[p.Usage]) -> p.Usage:
+    """The usage of n choices of one prompt: the prompt counted once, every choice's tokens."""
+    first = usages[0]
+    completion = sum(u.completion_tokens for u in usages)
+    return first.model_copy(update={"completion_tokens": completion,
+                                    "total_tokens": first.prompt_tokens + completion})
 
 
 def _response_events(
@@ -789,90 +874,98 @@ def _response_events(
 
 
 def _completion_events(
-    server: _Server, job: Job, echo: str, include_usage: bool
+    server: _Server, jobs: list[Job], echo: str, include_usage: bool
 ) -> AsyncIterator[str]:
     rid, created = _ids()
 
     def chunk(
         text: str,
+        index: int = 0,
         logprobs: p.CompletionLogprobs | None = None,
         finish: str | None = None,
         usage: p.Usage | None = None,
         choices: bool = True,
-    ) -> str:
-        choice = p.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)
-        return _event(
-            p.Completion(
-                id=f"cmpl-{rid}",
-                created=created,
-                model=server.name,
-                system_fingerprint=FINGERPRINT,
-                choices=[choice] if choices else [],
-                usage=usage,
-            ),
-            usage_key=include_usage or usage is not None,
+    ) -> p.Completion:
+        choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
+        return p.Completion(
+            id=f"cmpl-{rid}",
+            created=created,
+            model=server.name,
+            system_fingerprint=FINGERPRINT,
+            choices=[choice] if choices else [],
+            usage=usage,
         )
 
-    async def events() -> AsyncIterator[str]:
+    async def one(index: int, job: Job) -> AsyncIterator[p.Completion]:
         offset = len(echo)
         if echo:
-            yield chunk(echo)
+            yield chunk(echo, index)
         last = None
         async for step in job.steps():
             last = step
             if step.text or step.logprobs:
-                yield chunk(step.text, _completion_logprobs(server, step.logprobs, offset))
+                yield chunk(step.text, index, _completion_logprobs(server, step.logprobs, offset))
             offset += len(step.text)
         if last is None or last.finish_reason is None:
             raise QuickdraftError("the generation was cut short (the server is shutting down)")
-        usage = _usage(last.stats)
-        yield chunk("", finish=last.finish_reason, usage=usage)
-        if include_usage:
-            yield chunk("", usage=usage, choices=False)
+        yield chunk("", index, finish=last.finish_reason, usage=_usage(last.stats))
+
+    async def events() -> AsyncIterator[str]:
+        usages = []
+        async for c in _merged([one(i, job) for i, job in enumerate(jobs)]):
+            if c.usage is not None:
+                usages.append(c.usage)
+            yield _event(c, usage_key=include_usage or c.usage is not None)
+        if include_usage and usages:
+            yield _event(chunk("", usage=_total_usage(usages), choices=False))
         yield _DONE
 
-    return _guarded(job, events)
+    return _guarded(jobs, events)
 
 
-def _chat_response(server: _Server, steps: list[StepOutput], prepared: _Prepared) -> p.ChatCompletion:
+def _chat_response(server: _Server, outputs: list[list[StepOutput]], choices: list[_Prepared]) -> p.ChatCompletion:
+    """The whole answer: one choice per (steps, prepared) pair, usage over all of them."""
     rid, created = _ids()
-    last = steps[-1]
-    logprobs = _chat_logprobs(server, _all_logprobs(steps))
-    finish = last.finish_reason
-    if prepared.tools is None:
-        message = p.ChatMessageOut(content="".join(s.text for s in steps))
-    else:
-        text = _CallText(server, prepared).text([t for s in steps for t in s.token_ids])
-        parsed = parse_output(prepared.tools, text, prepared.tool_names)
-        message = p.ChatMessageOut(
-            content=parsed.content or (None if parsed.calls else ""),
-            tool_calls=[p.ToolCallOut.model_validate(c.to_openai()) for c in parsed.calls]
-            or None,
-        )
-        finish = _finish_reason(finish, len(parsed.calls))
+    out = []
+    for index, (steps, prepared) in enumerate(zip(outputs, choices, strict=True)):
+        logprobs = _chat_logprobs(server, _all_logprobs(steps))
+        finish = steps[-1].finish_reason
+        if prepared.tools is None:
+            message = p.ChatMessageOut(content="".join(s.text for s in steps))
+        else:
+            text = _CallText(server, prepared).text([t for s in steps for t in s.token_ids])
+            parsed = parse_output(prepared.tools, text, prepared.tool_names)
+            message = p.ChatMessageOut(
+                content=parsed.content or (None if parsed.calls else ""),
+                tool_calls=[p.ToolCallOut.model_validate(c.to_openai()) for c in parsed.calls]
+                or None,
+            )
+            finish = _finish_reason(finish, len(parsed.calls))
+        out.append(p.ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))
     return p.ChatCompletion(
         id=f"chatcmpl-{rid}",
         created=created,
         model=server.name,
         system_fingerprint=FINGERPRINT,
-        choices=[p.ChatChoice(message=message, logprobs=logprobs, finish_reason=finish)],
-        usage=_usage(last.stats),
+        choices=out,
+        usage=_total_usage([_usage(steps[-1].stats) for steps in outputs]),
     )
 
 
-def _completion_response(server: _Server, steps: list[StepOutput], echo: str) -> p.Completion:
+def _completion_response(server: _Server, outputs: list[list[StepOutput]], echo: str) -> p.Completion:
     rid, created = _ids()
-    last = steps[-1]
-    logprobs = _completion_logprobs(server, _all_logprobs(steps), len(echo))
-    text = echo + "".join(s.text for s in steps)
-    choice = p.CompletionChoice(text=text, logprobs=logprobs, finish_reason=last.finish_reason)
+    out = []
+    for index, steps in enumerate(outputs):
+        logprobs = _completion_logprobs(server, _all_logprobs(steps), len(echo))
+        text = echo + "".join(s.text for s in steps)
+        out.append(p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=steps[-1].finish_reason))
     return p.Completion(
         id=f"cmpl-{rid}",
         created=created,
         model=server.name,
         system_fingerprint=FINGERPRINT,
-        choices=[choice],
-        usage=_usage(last.stats),
+        choices=out,
+        usage=_total_usage([_usage(steps[-1].stats) for steps in outputs]),
     )
 
 

@@ -31,9 +31,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.param = param
         self.code = code
@@ -99,6 +101,7 @@ class ResponseFormat(_Lenient):
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator can be seeded with
+MAX_CHOICES = 16  # n: choices per request (each a sequence of its own; more than the engine runs at once wait)
 
 
 class _GenerationRequest(_Lenient):
@@ -128,12 +131,8 @@ class _GenerationRequest(_Lenient):
     )
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise ApiError(
-                400,
-                f"n must be 1: quickdraft generates one choice per request (got {self.n})",
-                param="n",
-            )
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise ApiError(400, f"n must be between 1 and {MAX_CHOICES} (got {self.n})", param="n")
         if self.best_of not in (None, 1):
             raise ApiError(400, f"best_of must be 1 (got {self.best_of})", param="best_of")
         fmt = self.response_format

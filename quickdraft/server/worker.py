@@ -127,8 +127,9 @@ class EngineWorker:
         self._thread.join(timeout)
         self._thread = None
 
-    def is_full(self) -> bool:
-        return self._queue.qsize() >= self.max_waiting
+    def waiting_room(self) -> int:
+        """How many more requests may wait in the queue."""
+        return max(0, self.max_waiting - self._queue.qsize())
 
     def submit(
         self, prompt_ids: Sequence[int], params: SamplingParams, constraint: Constraint | None
