@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.options import EngineOptions
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release this benchmark was written against
 WORKER = Path(__file__).with_name("_llamacpp_worker.py")
@@ -691,7 +692,7 @@ def measure_model(
     if choice is not None:
         say(f"[{spec}] {choice.line()}")
     contenders = runner.build_in_process(
-        args.method_list, spec, target, runner.MethodOptions(dtype=args.dtype), say
+        args.method_list, spec, target, runner.MethodOptions(EngineOptions(dtype=args.dtype, prefix_cache_mb=0)), say
     )
     sweep = []
     ids = pass_tokens(target.tokenizer, max(args.context) + max(args.row_list))

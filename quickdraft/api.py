@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
 
 from quickdraft.config import (
-    CUDA_GRAPH_MODES,
-    DEFAULT_DRAFT_CONFIDENCE,
-    DEFAULT_DRAFT_VOCAB,
     DEFAULT_MAX_CONCURRENCY,
     prefix_cache_bytes,
     resolve_device,
@@ -28,9 +26,10 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.kernels.tuning import tune as tune_kernels
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.options import EngineOptions
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.factory import SpecConfig, build_drafter
+from quickdraft.speculative.factory import build_drafter
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]
@@ -60,76 +59,46 @@ class LLM:
     def __init__(
         self,
         model: str = "qwen2.5-coder-1.5b-instruct",
+        options: EngineOptions | None = None,
         *,
-        draft: str = "auto",
-        num_draft: int | None = None,
-        dtype: str = "auto",
-        max_context: int | None = None,
-        threads: int | None = None,
-        tensor_parallel: int = 1,
         log: Callable[[str], None] | None = None,
-        canary: bool = True,
-        draft_vocab: int | None = None,
-        device: str = "auto",
-        cuda_graphs: str = "auto",
-        draft_confidence: float | None = None,
-        prefix_cache_mb: int | None = None,
-        kv_dtype: str = "auto",
-        max_concurrency: int | None = 1,
+        **changes: Any,
     ) -> None:
-        """``draft``: "auto" (pick what pays per step), "none", "ngram", or a draft model (zoo name,
-        .gguf, folder) sharing the target's tokenizer, or an EAGLE-3 head for the target (folder or
-        .safetensors; ``canary=False`` skips its load-time check). ``num_draft``: fixed k, or None = auto.
-        ``draft_vocab``: a draft model's logits cover this many token ids (+ special tokens; None or 0 =
-        all, the default). ``tensor_parallel``: split the target over this many processes (see
-        quickdraft.parallel). ``device``: cpu, cuda, cuda:N or auto (CUDA when there is one).
-        ``cuda_graphs``: replay decode/verify passes as CUDA graphs: auto (where they apply), on, off.
-        ``draft_confidence``: a draft model ends its proposal after a token it gives a probability
-        below this (0 = always draft k; None = the default, DEFAULT_DRAFT_CONFIDENCE).
-        ``prefix_cache_mb``: host memory for prefix-cache copies of earlier sequences (0 = no reuse
-        at all; None = the default, DEFAULT_PREFIX_CACHE_MB capped at a quarter of the memory): a
-        request that begins with the ids of an earlier one (a conversation's history) computes only
-        the rest. ``kv_dtype``: the KV cache's element type (auto: float16 on the CPU kernels' path,
-        else the activation dtype; float32, float16, bfloat16). ``max_concurrency``: sequences the
-        engine generates at once (the server's continuous batching; each holds a KV region of the
-        context length); None = auto: up to DEFAULT_MAX_CONCURRENCY, as many as fit a quarter of
-        the memory."""
-        self.threads = configure_threads(threads)
-        spec = SpecConfig(draft=draft, num_draft=num_draft, canary=canary,  # validate before loading anything
-                          draft_vocab=DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
-                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence)
-        budget = prefix_cache_bytes(prefix_cache_mb, psutil.virtual_memory().total)
-        where = resolve_device(device)
-        if cuda_graphs not in CUDA_GRAPH_MODES:
-            raise QuickdraftError(f"--cuda-graphs must be auto, on or off, got {cuda_graphs!r}")
-        if tensor_parallel < 1:
-            raise QuickdraftError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
-        if tensor_parallel > 1:  # ranks share the cores; under torchrun, ranks > 0 stay in here
+        """Load ``model`` (zoo name, .gguf, folder or hub id) and its drafter with ``options``
+        (:class:`~quickdraft.options.EngineOptions`; default: its defaults), changed by any of its
+        fields given as keywords: ``LLM(model, draft="ngram", max_context=4096)``. ``log``: where
+        progress and the start-up lines go (None: nowhere)."""
+        opts = (options or EngineOptions()).replace(**changes)  # checked before loading anything
+        self.options = opts
+        self.threads = configure_threads(opts.threads)
+        budget = prefix_cache_bytes(opts.prefix_cache_mb, psutil.virtual_memory().total)
+        where = resolve_device(opts.device)
+        if opts.tensor_parallel > 1:  # ranks share the cores; under torchrun, ranks > 0 stay in here
             from quickdraft.parallel.launch import load_tensor_parallel
 
-            self.threads = configure_threads(max(1, self.threads // tensor_parallel))
+            self.threads = configure_threads(max(1, self.threads // opts.tensor_parallel))
             self.target: LoadedModel = load_tensor_parallel(
-                model, tensor_parallel, dtype, max_context=max_context, threads=self.threads
+                model, opts.tensor_parallel, opts.dtype, max_context=opts.max_context, threads=self.threads
             )
         else:
-            self.target = load_model(model, dtype=dtype, device=str(where), max_context=max_context, kv_dtype=kv_dtype)
+            self.target = load_model(model, dtype=opts.dtype, device=str(where), max_context=opts.max_context,
+                                     kv_dtype=opts.kv_dtype)
         self.tokenizer = self.target.tokenizer
         self.prefix_cache = PrefixCache(budget)
-        if max_concurrency is None:
-            max_concurrency = 1 if tensor_parallel > 1 else auto_concurrency(self.target.model,
-                                                                             psutil.virtual_memory().total)
-        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=cuda_graphs, warn=log or runtime_warning,
-                             prefix_cache=self.prefix_cache, max_sequences=max_concurrency)
+        lanes = opts.max_concurrency
+        if lanes is None:
+            lanes = 1 if opts.tensor_parallel > 1 else auto_concurrency(self.target.model, psutil.virtual_memory().total)
+        self.engine = Engine(self.target.model, self.tokenizer, cuda_graphs=opts.cuda_graphs,
+                             warn=log or runtime_warning, prefix_cache=self.prefix_cache, max_sequences=lanes)
         if log is not None:
             log(describe_memory(self.engine, self.prefix_cache))
-        if tensor_parallel == 1:
+        if opts.tensor_parallel == 1:
             self.engine.warm_up()
             if where.type == "cpu":  # this machine's fastest exact kernels, before pass costs are measured
                 choice = tune_kernels(self.target.model, self.target.path, log or (lambda _msg: None))
                 if choice is not None and log is not None:
                     log(choice.line())
-        self.drafter, self.num_draft = build_drafter(spec, self.target, dtype, log or (lambda _msg: None),
-                                                     kv_dtype=kv_dtype)
+        self.drafter, self.num_draft = build_drafter(opts, self.target, log or (lambda _msg: None))
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -30,6 +30,7 @@ from tiny import make_tiny_hf_model
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.eagle3.canary import MIN_TAU, canary_tau
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
@@ -46,7 +47,7 @@ from quickdraft.speculative.eagle3.io import (
     load_head,
     save_head,
 )
-from quickdraft.speculative.factory import SpecConfig, build_drafter, build_eagle3_drafter
+from quickdraft.speculative.factory import build_drafter, build_eagle3_drafter
 from quickdraft.speculative.policy import AutoDrafter, TargetCost
 from quickdraft.speculative.tree import DraftTree
 
@@ -594,7 +595,7 @@ def test_canary_refuses_a_random_head_and_falls_back(random_target: LoadedModel,
     assert canary_tau(random_target, load_head(folder, random_target.model)[0]) < MIN_TAU
     logs: list[str] = []
     with pytest.warns(UserWarning, match="drafts badly"):
-        drafter, k = build_drafter(SpecConfig(draft=str(folder)), random_target, "float32", logs.append)
+        drafter, k = build_drafter(EngineOptions(draft=str(folder), dtype="float32"), random_target, logs.append)
     assert isinstance(drafter, AutoDrafter) and [c.drafter.name for c in drafter.candidates] == ["ngram"]
     assert any(line.startswith("WARNING") for line in logs) and k > 0
 
@@ -648,7 +649,7 @@ def test_bench_eagle3_method(random_target: LoadedModel, tmp_path: Path) -> None
     assert methods == ["none", f"eagle3={folder}"]
     with pytest.raises(QuickdraftError, match="eagle3=PATH"):
         parse_methods("eagle3")
-    contenders = build_in_process(methods, "tiny", random_target, MethodOptions(dtype="float32"), lambda _m: None)
+    contenders = build_in_process(methods, "tiny", random_target, MethodOptions(EngineOptions(dtype="float32", prefix_cache_mb=0)), lambda _m: None)
     assert contenders[1].name == f"eagle3={folder}" and isinstance(contenders[1].drafter, Eagle3Drafter)
     trace = contenders[1].run([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=8), None)
     assert trace.output_tokens == 8 or trace.finish_reason == "stop"

@@ -33,10 +33,11 @@ from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
-from quickdraft.speculative.factory import SpecConfig, build_drafter
+from quickdraft.speculative.factory import build_drafter
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.tree import DraftTree, cut_tree
@@ -449,7 +450,7 @@ def test_tiny_ngram_matches_plain_greedy(tiny: Case, k: int, min_ngram: int) -> 
 
 
 def test_tiny_ngram_through_auto_drafter(tiny: Case) -> None:
-    drafter, k = build_drafter(SpecConfig(draft="ngram"), tiny.loaded, "float32")
+    drafter, k = build_drafter(EngineOptions(draft="ngram", dtype="float32"), tiny.loaded)
     assert isinstance(drafter, AutoDrafter) and k > 0
     assert tiny.spec(drafter, k).ids == tiny.truth
     # A fixed k through the policy too (it still picks per step, but drafts min(k, preview)).
@@ -578,7 +579,7 @@ def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: 
     with pytest.raises(ValueError, match="vocabulary ids"):
         draft.model.set_output_vocab(torch.tensor([0, tiny.vocab]))
     with pytest.raises(QuickdraftError, match="draft-vocab"):
-        SpecConfig(draft_vocab=10)
+        EngineOptions(draft_vocab=10)
 
 
 def test_token_ranks_count_a_corpus_and_are_cached(
@@ -700,7 +701,7 @@ def test_draft_model_confidence_is_its_top_probability(tiny: Case, tiny_near: Lo
         DraftModelDrafter(tiny_near.model, tiny.vocab, stop_below=1.0)
     for bad in (-0.1, 1.0, 2.0):
         with pytest.raises(QuickdraftError, match="--draft-confidence"):
-            SpecConfig(draft_confidence=bad)
+            EngineOptions(draft_confidence=bad)
 
 
 def test_draft_model_drafter_keeps_up_when_not_asked(tiny: Case, tiny_near: LoadedModel) -> None:

@@ -32,14 +32,15 @@ from tqdm import tqdm
 from quickdraft import zoo
 from quickdraft.bench.datasets import Dataset, Item, Message
 from quickdraft.bench.metrics import Record, request_metrics
-from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
+from quickdraft.config import prefix_cache_bytes
 from quickdraft.engine import Engine, RequestStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, resolve
+from quickdraft.options import EngineOptions
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import Drafter
-from quickdraft.speculative.factory import DEFAULT_DRAFTS, SpecConfig, build_drafter
+from quickdraft.speculative.factory import DEFAULT_DRAFTS, build_drafter
 from quickdraft.speculative.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
@@ -212,15 +213,16 @@ class SimulatedContender(InProcessContender):
 
 @dataclass(frozen=True)
 class MethodOptions:
-    dtype: str = "auto"
-    num_draft: int | None = None  # None = auto
+    """How the in-process methods run: the engine's options (each method's ``draft`` is its own;
+    the prefix cache lets turn n of a conversation reuse turn n - 1) and the benchmark's own."""
+
+    engine: EngineOptions = EngineOptions(prefix_cache_mb=0)
     draft_model: str | None = None  # for the 'draft' method; default: the zoo's pairing
     simulate_tau: float | None = None
-    draft_vocab: int = DEFAULT_DRAFT_VOCAB  # see SpecConfig.draft_vocab
-    cuda_graphs: str = "auto"  # see Engine
-    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # see SpecConfig.draft_confidence
-    prefix_cache_bytes: int = 0  # see PrefixCache: turn n of a conversation reuses turn n - 1
-    kv_dtype: str = "auto"  # the draft model's KV cache type (see load_model)
+
+    @property
+    def num_draft(self) -> int | None:
+        return self.engine.num_draft
 
 
 def parse_methods(text: str) -> list[str]:
@@ -298,8 +300,8 @@ def build_in_process(
     say: Callable[[str], None],
 ) -> list[InProcessContender]:
     """One contender per method over ONE loaded target (draft models are loaded per method)."""
-    engine = Engine(target.model, target.tokenizer, cuda_graphs=opts.cuda_graphs,
-                    prefix_cache=PrefixCache(opts.prefix_cache_bytes))
+    budget = prefix_cache_bytes(opts.engine.prefix_cache_mb, psutil.virtual_memory().total)
+    engine = Engine(target.model, target.tokenizer, cuda_graphs=opts.engine.cuda_graphs, prefix_cache=PrefixCache(budget))
     proc = psutil.Process()
     out: list[InProcessContender] = []
     for m in methods:
@@ -309,14 +311,7 @@ def build_in_process(
             drafter, k = _eagle3_contender(m.split("=", 1)[1], target, opts, say, chain=method_name(m) == EAGLE3_CHAIN)
         else:
             draft = draft_model_for(model_spec, opts) if m == "draft" else m
-            drafter, k = build_drafter(
-                SpecConfig(draft=draft, num_draft=opts.num_draft, draft_vocab=opts.draft_vocab,
-                           draft_confidence=opts.draft_confidence),
-                target,
-                opts.dtype,
-                say,
-                kv_dtype=opts.kv_dtype,
-            )
+            drafter, k = build_drafter(opts.engine.replace(draft=draft), target, say)
         out.append(
             InProcessContender(m, engine, drafter, k, (proc.memory_info().rss - rss) / 2**20)
         )

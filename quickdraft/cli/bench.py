@@ -22,7 +22,6 @@ from quickdraft.config import (
     DEFAULT_DRAFT_VOCAB,
     DTYPE_CHOICES,
     KV_DTYPE_CHOICES,
-    prefix_cache_bytes,
 )
 from quickdraft.errors import QuickdraftError
 
@@ -167,11 +166,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import psutil
 
     from quickdraft.bench import datasets, report, runner
     from quickdraft.bench.metrics import fill_speedups
-    from quickdraft.speculative.factory import SpecConfig, parse_num_draft
+    from quickdraft.options import EngineOptions
 
     methods, endpoints = _plan(args)
     if args.concurrency < 1:
@@ -181,13 +179,8 @@ def run(args: argparse.Namespace) -> int:
             "--concurrency measures endpoints: start 'quickdraft serve --max-concurrency N' and pass --endpoint "
             "(in-process methods are measured one user at a time)"
         )
-    opts = runner.MethodOptions(
-        args.dtype, parse_num_draft(args.num_draft), args.draft_model, args.simulate_acceptance,
-        DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab, args.cuda_graphs,
-        DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence,
-        prefix_cache_bytes(args.prefix_cache_mb, psutil.virtual_memory().total),
-        args.kv_dtype,
-    )
+    # the engine's options as given (checked here, before anything loads); each method drafts its own way
+    opts = runner.MethodOptions(EngineOptions.from_args(args), args.draft_model, args.simulate_acceptance)
     baseline = "none" if "none" in methods else _first_name(methods, endpoints)
     settings = runner.BenchSettings(
         args.max_tokens,
@@ -199,7 +192,6 @@ def run(args: argparse.Namespace) -> int:
         baseline=baseline,
     )
     settings.params(0)  # validate sampling before the slow parts
-    SpecConfig(num_draft=opts.num_draft, draft_vocab=opts.draft_vocab, draft_confidence=opts.draft_confidence)
     if opts.simulate_tau is not None:
         runner.simulated_k(opts.simulate_tau, opts.num_draft)
     if "draft" in methods:

@@ -17,7 +17,6 @@ from quickdraft.config import (
     DTYPE_CHOICES,
     KV_DTYPE_CHOICES,
 )
-from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -100,18 +99,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     from quickdraft.api import LLM
-    from quickdraft.speculative.factory import parse_num_draft
+    from quickdraft.options import EngineOptions
 
-    num_draft = parse_num_draft(args.num_draft)
+    options = EngineOptions.from_args(args)
     say(f"loading {args.model} ...")
-    llm = LLM(args.model, draft=args.draft, num_draft=num_draft, dtype=args.dtype,
-              max_context=args.max_context, threads=args.threads,
-              tensor_parallel=getattr(args, "tensor_parallel", 1), log=say,
-              draft_vocab=getattr(args, "draft_vocab", None), device=getattr(args, "device", "auto"),
-              draft_confidence=getattr(args, "draft_confidence", None),
-              cuda_graphs=getattr(args, "cuda_graphs", "auto"),
-              prefix_cache_mb=getattr(args, "prefix_cache_mb", None), kv_dtype=getattr(args, "kv_dtype", "auto"),
-              max_concurrency=parse_concurrency(getattr(args, "max_concurrency", "1")))
+    llm = LLM(args.model, options, log=say)
     say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {describe_drafter(llm.drafter)}")
     return llm
 
@@ -121,18 +113,6 @@ def add_concurrency_arg(g: argparse._ArgumentGroup) -> None:
                    help="requests generated at once, in shared passes (continuous batching; each answer is "
                         "bitwise what it is alone); more wait in a FIFO queue (auto, the default: up to "
                         f"{DEFAULT_MAX_CONCURRENCY}, as many as the KV memory of a context each fits in a quarter of the memory)")
-
-
-def parse_concurrency(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise QuickdraftError(f"--max-concurrency takes a number of at least 1 or 'auto', got {text!r}")
-    return n
 
 
 def info(msg: str) -> None:

@@ -10,20 +10,17 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from quickdraft import zoo
-from quickdraft.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_VOCAB
-from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
+from quickdraft.options import EngineOptions
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.draft_model import (
     MAX_CATCH_UP,
     DraftModelDrafter,
-    check_draft_confidence,
     check_same_tokenizer,
 )
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
@@ -47,29 +44,6 @@ PREFILL_WINDOW = 128  # prompt tokens a draft model under the cost model reads a
 
 
 
-@dataclass(frozen=True)
-class SpecConfig:
-    draft: str = "auto"  # auto | none | ngram | a model (zoo name, .gguf, folder) | an EAGLE-3 head
-    num_draft: int | None = None  # None = chosen per step by the cost model
-    canary: bool = True  # EAGLE-3 heads: check with a short decode at load that the head pays
-    # a draft model's output head covers its draft_vocab most frequent tokens, each prompt's tokens
-    # and the added / special tokens only (quickdraft.speculative.vocab), 0 = all. Any draft distribution
-    # keeps speculation lossless; measured on HumanEval with Qwen2.5-Coder-0.5B drafting for 1.5B,
-    # 16384 makes a draft token 26% cheaper at the same 94% acceptance (the first 32768 ids by
-    # number instead: 21% cheaper, acceptance 97% -> 89%: "```" and identifiers have high ids).
-    draft_vocab: int = DEFAULT_DRAFT_VOCAB
-    # a draft model ends its proposal after a token it gives less than this probability (0: it
-    # always drafts the k asked for); see DraftModelDrafter and policy.CONFIDENT_K.
-    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
-
-    def __post_init__(self) -> None:
-        if self.num_draft is not None and not 1 <= self.num_draft <= 32:
-            raise QuickdraftError(f"--num-draft must be between 1 and 32 (or 'auto'), got {self.num_draft}")
-        if self.draft_vocab < 0 or 0 < self.draft_vocab < 256:
-            raise QuickdraftError(f"--draft-vocab must be 0 (the whole vocabulary) or at least 256, got {self.draft_vocab}")
-        check_draft_confidence(self.draft_confidence)
-
-
 def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None = None) -> DraftVocab | None:
     """The output vocabulary of a draft model cut to its ``n`` most frequent tokens (``ranks``: ids
     most frequent first; default: counted on the Python standard library, see quickdraft.speculative.vocab),
@@ -88,23 +62,13 @@ def restrict_draft_vocab(draft: LoadedModel, n: int, ranks: torch.Tensor | None 
     return DraftVocab.ranked(ranks, n, always, vocab)
 
 
-def parse_num_draft(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise QuickdraftError(f"--num-draft takes a number or 'auto', got {text!r}") from None
-
-
 def build_drafter(
-    cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None] = lambda _m: None,
-    kv_dtype: str = "auto",
+    cfg: EngineOptions, target: LoadedModel, say: Callable[[str], None] = lambda _m: None
 ) -> tuple[Drafter | None, int]:
     """The drafter for ``cfg`` and the k the engine should offer it per step (0 = plain)."""
     if cfg.draft == "none":
         return None, 0
-    base = _base_drafters(cfg, target, dtype, say, kv_dtype)
+    base = _base_drafters(cfg, target, say)
     if not base:
         return None, 0
     if cfg.num_draft is not None and len(base) == 1:
@@ -133,7 +97,7 @@ def build_drafter(
 
 
 def _base_drafters(
-    cfg: SpecConfig, target: LoadedModel, dtype: str, say: Callable[[str], None], kv_dtype: str = "auto"
+    cfg: EngineOptions, target: LoadedModel, say: Callable[[str], None]
 ) -> list[tuple[Drafter, float, float, TargetCost | None]]:
     """(drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or
     None) for each drafter in play."""
@@ -153,8 +117,8 @@ def _base_drafters(
         spec = cfg.draft if cfg.draft != "auto" else _default_draft(target)
     if spec is not None:
         say(f"loading draft model {spec} ...")
-        draft = load_model(spec, dtype=dtype, device=str(target.model.device), max_context=target.model.max_len,
-                           kv_dtype=kv_dtype)
+        draft = load_model(spec, dtype=cfg.dtype, device=str(target.model.device), max_context=target.model.max_len,
+                           kv_dtype=cfg.kv_dtype)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
         vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
         if vocab is not None:
