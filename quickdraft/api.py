@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import torch
 
+from quickdraft.assemble.drafters import build_drafter
 from quickdraft.config import (
     DEFAULT_MAX_CONCURRENCY,
     prefix_cache_bytes,
@@ -29,7 +30,6 @@ from quickdraft.models.causal_lm import CausalLM
 from quickdraft.options import EngineOptions
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.factory import build_drafter
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, str]]

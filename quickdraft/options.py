@@ -20,7 +20,7 @@ MAX_NUM_DRAFT = 32
 
 @dataclass(frozen=True)
 class EngineOptions:
-    # --- the drafter (quickdraft.speculative.factory.build_drafter)
+    # --- the drafter (quickdraft.assemble.drafters.build_drafter)
     draft: str = "auto"  # auto | none | ngram | a model (zoo name, .gguf, folder) | an EAGLE-3 head
     num_draft: int | None = None  # tokens drafted per step; None = chosen per step by the cost model
     canary: bool = True  # EAGLE-3 heads: check with a short decode at load that the head pays

@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_hf_model
 
+from quickdraft.assemble.drafters import build_drafter, build_eagle3_drafter
+from quickdraft.assemble.eagle3_canary import MIN_TAU, canary_tau
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.eagle3.canary import MIN_TAU, canary_tau
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
 from quickdraft.speculative.eagle3.head import (
     Eagle3Config,
@@ -47,7 +48,6 @@ from quickdraft.speculative.eagle3.io import (
     load_head,
     save_head,
 )
-from quickdraft.speculative.factory import build_drafter, build_eagle3_drafter
 from quickdraft.speculative.policy import AutoDrafter, TargetCost
 from quickdraft.speculative.tree import DraftTree
 

@@ -29,6 +29,7 @@ import torch
 from tiny import hf_to_gguf, make_tiny_hf_model, write_tokenizer
 
 from quickdraft.api import LLM
+from quickdraft.assemble.drafters import build_drafter
 from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
@@ -37,7 +38,6 @@ from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
-from quickdraft.speculative.factory import build_drafter
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.tree import DraftTree, cut_tree
@@ -536,7 +536,7 @@ def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: 
     added tokens and the request's prompt ids. Its logits are the full head's on those ids and
     -inf elsewhere, it never drafts another id, and greedy output is unchanged (lossless: the
     target decides), sampled output too for a fixed seed."""
-    from quickdraft.speculative.factory import restrict_draft_vocab
+    from quickdraft.assemble.drafters import restrict_draft_vocab
 
     draft = perturbed_copy(tiny_folder, seed=5, scale=0.5)
     cache = draft.model.new_cache()

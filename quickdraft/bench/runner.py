@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from quickdraft import zoo
+from quickdraft.assemble.drafters import DEFAULT_DRAFTS, build_drafter
 from quickdraft.bench.datasets import Dataset, Item, Message
 from quickdraft.bench.metrics import Record, request_metrics
 from quickdraft.config import prefix_cache_bytes
@@ -40,7 +41,6 @@ from quickdraft.options import EngineOptions
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import Drafter
-from quickdraft.speculative.factory import DEFAULT_DRAFTS, build_drafter
 from quickdraft.speculative.verify import Draft
 from quickdraft.tokenizer import Tokenizer
 
@@ -331,7 +331,7 @@ def _eagle3_contender(
 ) -> tuple[Drafter, int]:
     """The EAGLE-3 head alone (no n-gram beside it), trees sized by its cost model unless
     --num-draft fixes them. No canary: measuring the head, good or bad, is the point."""
-    from quickdraft.speculative.factory import build_eagle3_drafter
+    from quickdraft.assemble.drafters import build_eagle3_drafter
 
     if not Path(head).expanduser().exists():
         raise QuickdraftError(f"no such EAGLE-3 head: {head}")

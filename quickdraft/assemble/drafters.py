@@ -2,7 +2,7 @@
 
 HEAD is an EAGLE-3 draft head for the target (a folder or .safetensors file, recognised by its
 config / tensor names): it drafts alongside n-gram lookup in the AutoDrafter, after a load-time
-canary checked that it pays (see quickdraft.speculative.eagle3.canary).
+canary checked that it pays (see quickdraft.assemble.eagle3_canary).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import zoo
+from quickdraft.assemble.pass_costs import pass_cost_model
 from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.options import EngineOptions
 from quickdraft.speculative.base import Drafter
@@ -25,7 +26,6 @@ from quickdraft.speculative.draft_model import (
 )
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
-from quickdraft.speculative.pass_costs import pass_cost_model
 from quickdraft.speculative.policy import (
     Acceptance,
     AutoDrafter,
@@ -175,13 +175,13 @@ def build_eagle3_drafter(
 ) -> Eagle3Drafter | None:
     """Load the head at ``spec`` for ``target``; None when the canary finds it useless.
 
-    The canary decodes a few tokens with the head (quickdraft.speculative.eagle3.canary). When it fails
+    The canary decodes a few tokens with the head (quickdraft.assemble.eagle3_canary). When it fails
     and the file did not name its aux layer convention, the other convention is tried before
     giving up. ``num_draft``: fixed tree size (no cost model). ``standalone``: the drafter measures
     and tracks the target's pass costs itself (not inside an AutoDrafter, which shares its own).
     ``mode``: "auto"/"tree" (dynamic trees) or "chain".
     """
-    from quickdraft.speculative.eagle3.canary import (  # runs the engine
+    from quickdraft.assemble.eagle3_canary import (  # runs the engine
         CANARY_TOKENS,
         MIN_TAU,
         canary_tau,
