@@ -1,12 +1,14 @@
 """Prefix cache: a request whose token ids begin with something already computed computes only the rest.
 
-Design (llama.cpp server's slot + ``--cache-ram``, not vLLM's paged blocks). The engine keeps ONE
-contiguous working KV cache per model: the native decoder stack and the per-row attention kernels
-read each layer's ``[Hkv, S, D]`` slab directly, which is what makes a row's result bitwise
-independent of the pass it is in. Paged blocks shared by reference (vLLM, SGLang) would need a
-block table in every kernel; copies fit this design better:
+Design (llama.cpp server's slots + ``--cache-ram``, not vLLM's paged blocks). The engine keeps one
+contiguous working KV cache per lane (one lane per sequence it runs at once, regions of one
+buffer, :class:`~quickdraft.cache.KVPool`): the native decoder stack and the per-row attention
+kernels read each layer's ``[Hkv, S, D]`` slab directly, which is what makes a row's result
+bitwise independent of the pass it is in. Paged blocks shared by reference (vLLM, SGLang) would
+need a block table in every kernel; copies fit this design better:
 
-- the working cache itself is the first entry: it holds the last request's prompt and output, so a
+- each working cache is an entry of its own (a new request takes the free lane holding the most
+  of its prompt): it holds the last request's prompt and output, so a
   conversation's next turn (same history + a new message) truncates it to the common prefix and
   computes only the new tokens, with no copy at all;
 - other sequences live as host copies (:meth:`KVCache.snapshot`), each with its drafter's state,
