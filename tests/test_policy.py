@@ -123,7 +123,7 @@ def test_pass_costs_are_kept_between_starts(tmp_path: Path) -> None:
     import json
     import time
 
-    from quickdraft.speculative import pass_costs
+    from quickdraft.assemble import pass_costs
 
     loaded = load_model(str(make_tiny_hf_model(tmp_path, "llama", seed=1)), dtype="float32", max_context=128)
     store = tmp_path / "costs" / "pass_costs.json"
