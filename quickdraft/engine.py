@@ -513,17 +513,16 @@ class Engine:
                 return out
         return self.model(ids, cache, positions=positions, mask=mask, capture=capture, num_logits=rows)
 
-    def _keep(self, part: _Part, rows: torch.Tensor) -> None:
-        """Keep the part's rows ``rows`` [n] (increasing) in its generation's cache, in that order."""
-        cache = part.gen.cache
-        n = int(rows.numel())
+    def _keep(self, part: _Part, rows: torch.Tensor, leading: bool) -> None:
+        """Keep the part's rows ``rows`` [n] (increasing) in its generation's cache, in that order;
+        ``leading``: they are its first n rows (a prompt chunk, a chain's accepted run)."""
         if part.staged:
             assert self.pool is not None
             self.pool.keep(part.gen.lane, rows + part.offset)
-        elif n == part.rows or bool((rows == torch.arange(n, device=rows.device)).all()):
-            cache.truncate(part.start + n)  # a chain's accepted run: O(1)
+        elif leading:
+            part.gen.cache.truncate(part.start + int(rows.numel()))  # O(1)
         else:
-            cache.compact(part.start, rows)
+            part.gen.cache.compact(part.start, rows)
 
     # ------------------------------------------------------------------ after the pass
 
@@ -546,7 +545,7 @@ class Engine:
             verdict = verify_greedy(chosen, draft)
             kept = torch.arange(verdict.num_accepted + 1, device=self.device)
             req.stats.record(verdict, draft.k)
-        self._keep(part, kept)
+        self._keep(part, kept, leading=not isinstance(draft, DraftTree))
         req.stats.draft_seconds += part.draft_seconds
         req.stats.verify_seconds += seconds
         if gen.drafter is not None:
@@ -558,7 +557,7 @@ class Engine:
 
     def _finish_prefill(self, part: _Part, logits: torch.Tensor, features: dict[int, torch.Tensor]) -> StepOutput | None:
         gen, req = part.gen, part.gen.req
-        self._keep(part, torch.arange(part.rows, device=self.device))
+        self._keep(part, torch.arange(part.rows, device=self.device), leading=True)
         gen.computed += part.rows
         rows = self._features(req, features, None)
         if rows is not None:
