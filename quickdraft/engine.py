@@ -49,7 +49,7 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import Drafter, capture_layers_of
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad, capture_layers_of
 from quickdraft.speculative.tree import (
     DraftTree,
     tree_chain,
@@ -188,6 +188,10 @@ class Generation:
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     features: list[torch.Tensor] = field(default_factory=list)  # prompt rows' features, until the drafter reads them
     last: StepOutput | None = None
+    # What it brought to the last step's pass (the load the others' drafters weigh, PassLoad):
+    rows: int = 0
+    draft_seconds: float = 0.0
+    emitted: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -372,12 +376,14 @@ class Engine:
         outputs = self._forward(parts)
         seconds = time.perf_counter() - t0
         for part, (logits, features) in zip(parts, outputs, strict=True):
+            part.gen.rows, part.gen.draft_seconds, part.gen.emitted = part.rows, part.draft_seconds, 0
             try:
                 out = self._finish(part, logits, features, seconds)
             except Exception as exc:  # this generation's constraint or drafter failed
                 results.append((part.gen, exc))
                 continue
             if out is not None:
+                part.gen.emitted = len(out.token_ids)
                 part.gen.last = out
                 results.append((part.gen, out))
         return results
@@ -389,6 +395,7 @@ class Engine:
         token and a draft), then prompt chunks in arrival order, PASS_ROWS rows in all when
         several generations share the pass."""
         gens = [g for g in self.running if not g.finished]
+        self._tell_load(gens)
         decoding = [g for g in gens if not g.prefilling]
         prefilling = [g for g in gens if g.prefilling]
         alone = len(gens) == 1
@@ -415,6 +422,21 @@ class Engine:
             parts.append(self._prefill_part(g, n))
             left -= n
         return parts
+
+    @staticmethod
+    def _tell_load(gens: list[Generation]) -> None:
+        """Tell each drafter what the other generations brought to the last pass (the one its next
+        draft joins is much like it): their rows, drafting seconds and emitted tokens."""
+        rows = sum(g.rows for g in gens)
+        seconds = sum(g.draft_seconds for g in gens)
+        tokens = sum(g.emitted for g in gens)
+        for g in gens:
+            if g.drafter is None:
+                continue
+            if len(gens) == 1:
+                g.drafter.join(ALONE)
+            else:
+                g.drafter.join(PassLoad(len(gens) - 1, rows - g.rows, seconds - g.draft_seconds, tokens - g.emitted))
 
     def _prefill_part(self, gen: Generation, n: int) -> _Part:
         s, e = gen.computed, gen.computed + n

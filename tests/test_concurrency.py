@@ -30,7 +30,9 @@ from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.worker import EngineWorker
-from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad
+from quickdraft.speculative.draft_model import MAX_CATCH_UP, DraftModelDrafter
+from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.suffix import SuffixDrafter
 from quickdraft.speculative.tree import DraftTree, tree_mask, tree_positions
 
@@ -73,7 +75,13 @@ class Request:
     k: int = 4
 
 
-def make_drafter(kind: str, vocab: int) -> Drafter | None:
+def make_drafter(kind: str, model: LoadedModel) -> Drafter | None:
+    vocab = model.config.vocab_size
+    if kind == "auto":  # n-gram and a draft model (the target itself: right drafts) under the cost model
+        cost = TargetCost({1: 0.010, 2: 0.011, 4: 0.012, 8: 0.015})
+        return AutoDrafter([Candidate(SuffixDrafter(), Acceptance(0.6, 8), 0.0, cheap=True),
+                            Candidate(DraftModelDrafter(model.model, vocab, eager=True), Acceptance(0.9, 8), 0.002,
+                                      cheap=False)], cost)
     if kind == "ngram":
         return SuffixDrafter()
     if kind == "const":  # mostly wrong chains
@@ -84,7 +92,7 @@ def make_drafter(kind: str, vocab: int) -> Drafter | None:
 
 
 def requests(model: LoadedModel, n: int) -> list[Request]:
-    kinds = ["none", "ngram", "const", "tree"]
+    kinds = ["none", "ngram", "const", "tree", "auto"]
     out = []
     for i in range(n):
         prompt = model.tokenizer.encode(TEXTS[i % len(TEXTS)])
@@ -99,7 +107,7 @@ def requests(model: LoadedModel, n: int) -> list[Request]:
 
 def alone(model: LoadedModel, req: Request) -> list[int]:
     engine = Engine(model.model, model.tokenizer)
-    drafter = make_drafter(req.drafter, model.config.vocab_size)
+    drafter = make_drafter(req.drafter, model)
     return [t for s in engine.generate(req.prompt, req.params, drafter, req.k) for t in s.token_ids]
 
 
@@ -115,7 +123,7 @@ def together(engine: Engine, model: LoadedModel, reqs: list[Request], cancel: di
         while waiting and engine.has_room():
             i = waiting.pop(0)
             r = reqs[i]
-            running[engine.add(r.prompt, r.params, make_drafter(r.drafter, model.config.vocab_size), r.k)] = i
+            running[engine.add(r.prompt, r.params, make_drafter(r.drafter, model), r.k)] = i
         for gen, step in engine.step():
             assert not isinstance(step, Exception), step
             i = running[gen]
@@ -282,3 +290,51 @@ def test_lanes_are_regions_of_one_buffer(tmp_path: Path) -> None:
     assert buffer.k[0, 0, 12, 0] == 7.0 and pool.lanes[1].max_len == 10
     with pytest.raises(ValueError, match="staging"):
         pool.begin_pass(5)
+
+
+class LoadRecorder(SuffixDrafter):
+    """n-gram lookup that records what the engine says of the pass before each prefill/propose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[PassLoad] = []
+
+    def join(self, load: PassLoad) -> None:
+        self.loads.append(load)
+
+
+def test_the_engine_tells_each_drafter_what_the_others_bring_to_the_pass(model: LoadedModel) -> None:
+    """Alone a drafter hears ALONE; beside another sequence it hears that one's rows, drafting
+    seconds and emitted tokens of the last pass (what its own draft competes with)."""
+    engine = Engine(model.model, model.tokenizer, max_sequences=2)
+    a, b = LoadRecorder(), LoadRecorder()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ga = engine.add(model.tokenizer.encode(TEXTS[0]), params, a, 3)
+    engine.step()  # A alone reads its prompt and emits its first token
+    assert a.loads == [ALONE]
+    gb = engine.add(model.tokenizer.encode(TEXTS[1]), params, b, 3)
+    engine.step()  # B's prompt beside A's first draft
+    assert a.loads[-1] == PassLoad(1, 0, 0.0, 0) and b.loads[-1].sequences == 1
+    brought = {g: (g.rows, g.draft_seconds, g.emitted) for g in (ga, gb)}  # by each in the last pass
+    assert brought[gb][0] == len(model.tokenizer.encode(TEXTS[1])) and brought[gb][2] == 1  # its prompt, its first token
+    engine.step()
+    assert a.loads[-1] == PassLoad(1, *brought[gb])
+    assert b.loads[-1] == PassLoad(1, *brought[ga])
+
+
+def test_a_draft_model_under_load_leaves_the_prompt_to_its_first_proposal(model: LoadedModel) -> None:
+    """Reading a prompt with the draft model at prefill holds up every sequence in the pass: under
+    load it reads nothing then, and its first proposal reads only the prompt's last MAX_CATCH_UP
+    tokens, at their true positions (alone it reads the whole prompt at prefill, as before)."""
+    prompt = torch.tensor(model.tokenizer.encode(TEXTS[3]))
+    assert len(prompt) > MAX_CATCH_UP + 1
+    loaded = DraftModelDrafter(model.model, model.config.vocab_size, eager=True)
+    loaded.join(PassLoad(2, 8, 0.0, 4))
+    loaded.prefill(prompt, SamplingParams())
+    assert loaded.cache.length == 0 and loaded.pending == prompt[-MAX_CATCH_UP:].tolist()
+    draft = loaded.propose(3)
+    assert loaded.cache.length == MAX_CATCH_UP + 2  # the catch-up and two drafted tokens
+    assert loaded.slot_positions[0] == len(prompt) - MAX_CATCH_UP and draft.k == 3
+    alone = DraftModelDrafter(model.model, model.config.vocab_size, eager=True)
+    alone.prefill(prompt, SamplingParams())
+    assert alone.cache.length == len(prompt) - 1

@@ -13,7 +13,7 @@ from tiny import make_tiny_hf_model
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import (
     CONFIDENT_K,
@@ -478,3 +478,50 @@ def test_the_start_up_line_names_what_auto_chooses_among() -> None:
     assert [p.name for p in auto.parts()] == ["ngram", "echo"]
     assert describe_drafter(auto) == "auto (ngram, echo)"
     assert describe_drafter(NGramDrafter()) == "ngram" and describe_drafter(None) == "none"
+
+
+# ------------------------------------------------------------------------------ under load (PassLoad)
+
+# A CPU's pass costs (1.5B target, 2 cores): rows beyond one are cheap, then grow.
+LOADED = {1: 0.10, 2: 0.11, 4: 0.13, 8: 0.20, 16: 0.35}
+
+
+def test_under_load_the_rate_is_the_pass_and_a_draft_model_stops_paying() -> None:
+    """Alone, a draft model at a third of a target pass per token pays at 0.8 acceptance; with
+    three other sequences in the pass (12 rows, 6 tokens a step) its passes would hold them all
+    up, so plain wins; a free n-gram proposal still pays (its rows are cheap in a pass of many)."""
+    cost = FrozenCost(LOADED)
+    model = Candidate(NGramDrafter(), Acceptance(0.8, 8), 0.033, cheap=False)
+    free = candidate(0.8)
+    load = PassLoad(sequences=3, rows=12, draft_seconds=0.0, tokens=6.0)
+    assert best_k(cost, model, 8)[0] > 0
+    k, rate = best_k(cost, model, 8, load=load)
+    assert k == 0 and rate == pytest.approx(7.0 / cost(13))  # the whole pass's tokens per second
+    k, rate = best_k(cost, free, 8, load=load)
+    assert k > 0 and rate == pytest.approx((6.0 + Acceptance(0.8, 8).expected_tokens(k)) / cost(12 + k + 1))
+    # the others' drafting time counts in the pass: a pass already slowed by drafting makes rows look cheaper
+    busy = PassLoad(sequences=3, rows=12, draft_seconds=0.3, tokens=6.0)
+    assert best_k(cost, free, 8, load=busy)[0] >= k
+    assert best_k(cost, model, 8, load=ALONE) == best_k(cost, model, 8)  # alone: the rate of before
+
+
+def test_auto_under_load_neither_probes_a_model_drafter_nor_observes_pass_times() -> None:
+    """Under load a probe of a model drafter stalls every sequence (only free proposals are probed),
+    and the time from propose to commit includes the others' rows and drafts (not observed: the
+    shared pass costs would learn a 1-row pass as slow as four)."""
+    cost = TargetCost(dict(LOADED))
+    truth = list(range(100, 140))
+    behind = Candidate(BehindDrafter(truth, 1), Acceptance(0.3, 8), 0.05, cheap=False)
+    auto = AutoDrafter([behind], cost)
+    auto.join(PassLoad(sequences=3, rows=12, draft_seconds=0.0, tokens=4.0))
+    for _ in range(3 * PROBE_EVERY):
+        chosen, draft = auto._choose(8)
+        assert chosen is None and draft.k == 0
+        auto._t_ready = 1.0  # as if a pass ran since (propose sets it)
+        auto.commit(torch.tensor([1]), 0)
+    assert cost.seconds == LOADED
+    auto.join(ALONE)  # alone again: the long-idle drafter is probed at once, its pass observed
+    draft = auto.propose(8)
+    assert auto._chosen is behind and draft.k == PROBE_K
+    auto.commit(torch.tensor([1, 2, 3]), 0)
+    assert set(cost.seconds) == set(LOADED) | {PROBE_K + 1}

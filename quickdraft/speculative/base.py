@@ -40,12 +40,30 @@ features (the engine never reuses more of the target's cache than that), and its
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from torch import Tensor
 
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
+
+
+@dataclass(frozen=True)
+class PassLoad:
+    """What the other sequences of a batch bring to the target pass a sequence's next draft joins,
+    as they did in the engine's last step: their rows in the pass, the seconds they spent drafting
+    before it and the tokens they emitted. A draft pays under load only if its expected tokens per
+    extra second beat what the whole pass yields per second (see quickdraft.speculative.policy)."""
+
+    sequences: int = 0  # other sequences in the pass (0: this one runs alone)
+    rows: int = 0
+    draft_seconds: float = 0.0
+    tokens: float = 0.0
+
+
+ALONE = PassLoad()
 
 
 class Drafter:
@@ -78,6 +96,11 @@ class Drafter:
 
     def reset(self) -> None:
         """Forget the request."""
+
+    def join(self, load: PassLoad) -> None:
+        """The engine says, before each step's ``prefill`` or ``propose``, what the other sequences
+        bring to the pass this one joins (``ALONE`` when it runs alone). Drafters that weigh their
+        cost (the auto drafter) or defer work under load (a draft model's prompt read) keep it."""
 
     def fork(self) -> Drafter:
         """A drafter of the same kind for another sequence generated at the same time: it shares

@@ -21,7 +21,9 @@ previous turn of a conversation, a restored snapshot) and reads only the prompt 
 PREFILL_CHUNK-row passes (bitwise the keys and values of one long read). With ``prefill_window``
 it reads at most the last max(window, rest / 4) of what is left to read, at their true positions
 (the same gap as a capped catch-up): under ``--draft auto`` the draft must not add much to the
-first token's time on a long prompt (reading it all costs ~30% of the target's prefill).
+first token's time on a long prompt (reading it all costs ~30% of the target's prefill). While
+other sequences share the engine's passes (``join``), it reads nothing at prefill: they would all
+wait for it; its first proposal reads the prompt's last MAX_CATCH_UP tokens.
 
 With ``stop_below`` > 0 a proposal ends early, after the first token the draft itself is unsure
 of (its top probability under ``stop_below``; that token is still offered): the caller asks for
@@ -47,7 +49,7 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad
 from quickdraft.speculative.verify import Draft
 from quickdraft.speculative.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
@@ -107,6 +109,10 @@ class DraftModelDrafter(Drafter):
         self.offset = 0  # position - cache slot: tokens skipped by capped catch-ups
         self._proposed: Tensor | None = None
         self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
+        self.load = ALONE  # what the other sequences of the engine's batch bring to its pass
+
+    def join(self, load: PassLoad) -> None:
+        self.load = load
 
     def fork(self) -> DraftModelDrafter:
         """Another sequence's drafter on the same draft model (its own KV cache). The model's cut
@@ -131,7 +137,12 @@ class DraftModelDrafter(Drafter):
         self.offset = start - keep
         self.pending = ids[start:]
         self._proposed = None
-        if self.eager and len(self.pending) > 1:
+        if self.load.sequences and len(self.pending) > MAX_CATCH_UP:
+            # Other sequences wait for whatever this prefill reads: under load the prompt is left to
+            # the first proposal, which reads only its last MAX_CATCH_UP tokens (a capped catch-up).
+            skip = len(self.pending) - MAX_CATCH_UP
+            self.offset, self.pending = self.offset + skip, self.pending[skip:]
+        elif self.eager and len(self.pending) > 1:
             rest = len(self.pending) - 1  # the last prompt token is read by the first proposal
             if self.prefill_window is not None and rest > self.prefill_window:
                 skip = rest - max(self.prefill_window, rest // 4)

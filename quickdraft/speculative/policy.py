@@ -17,6 +17,16 @@ A candidate may propose trees: k then counts its nodes (the target pass costs k 
 acceptance is tracked per depth along the accepted path. Candidates that read target features
 (``capture_layers`` / ``feed``, see :mod:`quickdraft.speculative.base`) get them through the AutoDrafter,
 which asks the engine for the union of their layers.
+
+Under load (several sequences in one pass, :class:`~quickdraft.speculative.base.PassLoad`) the rate is
+the whole pass's: with the others' rows R_o, drafting seconds D_o and tokens E_o,
+
+    rate(d, k) = (E_o + E_d[tokens | k]) / (c_target(R_o + k + 1) + D_o + c_draft_d * k),
+
+so a draft pays only where its tokens per extra second beat what the pass already yields per
+second: extra rows in a pass of many are cheap (n-gram drafts stay), a draft model's passes hold up
+every sequence (they stop). Pass times are then observed by no one (a sequence's wait includes the
+others'), and drafters with a model of their own are not probed.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from torch import Tensor
 
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import Drafter, capture_layers_of
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad, capture_layers_of
 from quickdraft.speculative.tree import DraftTree, cut_tree
 from quickdraft.speculative.verify import Draft
 
@@ -130,12 +140,22 @@ class Candidate:
     probe_every: int = PROBE_EVERY  # idle steps before the next probe (backs off while it loses)
 
 
-def best_k(cost: TargetCost, cand: Candidate, max_k: int, overhead: float = 0.0) -> tuple[int, float]:
+def pass_rate(cost: TargetCost, load: PassLoad, tokens: float, rows: int, seconds: float) -> float:
+    """Expected tokens per second of a pass this sequence joins with ``rows`` rows expected to
+    yield ``tokens``, after ``seconds`` of its own drafting (alone: its own rate)."""
+    return (load.tokens + tokens) / (cost(load.rows + rows) + load.draft_seconds + seconds)
+
+
+def best_k(
+    cost: TargetCost, cand: Candidate, max_k: int, overhead: float = 0.0, load: PassLoad = ALONE
+) -> tuple[int, float]:
     """The k in 0..max_k with the highest expected tokens/s, and that rate. ``overhead``: seconds
-    the drafter must spend before its first token whatever k is (catching up on missed tokens)."""
-    best = (0, 1.0 / cost(1))
+    the drafter must spend before its first token whatever k is (catching up on missed tokens).
+    ``load``: what the other sequences bring to the pass (the rate is then the pass's)."""
+    best = (0, pass_rate(cost, load, 1.0, 1, 0.0))
     for k in range(1, max_k + 1):
-        rate = cand.acceptance.expected_tokens(k) / (cost(k + 1) + cand.seconds_per_token * k + overhead)
+        rate = pass_rate(cost, load, cand.acceptance.expected_tokens(k), k + 1,
+                         cand.seconds_per_token * k + overhead)
         if rate > best[1]:
             best = (k, rate)
     return best
@@ -159,10 +179,16 @@ class AutoDrafter(Drafter):
         self._depth = 0  # how deep the last proposal reaches (= k for a chain)
         self._t_ready = 0.0
         self._context = 0  # tokens in the target's cache: what a pass's attention reads
+        self._load = ALONE  # what the other sequences bring to the next pass
         # Feature layers: the union of the candidates', in layer order (see feed).
         self.capture_layers: tuple[int, ...] = tuple(
             sorted({i for c in candidates for i in capture_layers_of(c.drafter)})
         )
+
+    def join(self, load: PassLoad) -> None:
+        self._load = load
+        for c in self.candidates:
+            c.drafter.join(load)
 
     def feed(self, hidden: Tensor) -> None:
         """Hand each feature-reading candidate its own layers' columns, in its own order.
@@ -229,7 +255,9 @@ class AutoDrafter(Drafter):
 
     def _choose(self, budget: int) -> tuple[Candidate | None, Draft | DraftTree]:
         self._set_context()
-        best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (1.0 / self.cost(1), None, 0, None)
+        load = self._load
+        plain = pass_rate(self.cost, load, 1.0, 1, 0.0)
+        best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (plain, None, 0, None)
         free = best  # the best among proposals already made (cheap drafters)
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
         for c in self.candidates:
@@ -244,12 +272,13 @@ class AutoDrafter(Drafter):
                 # lookup from its match length) and already paid for drafting it: take the prefix
                 # with the best estimate per target pass.
                 k, rate = max(
-                    ((j, (c.drafter.expected_tokens(j) or 0.0) / self.cost(j + 1)) for j in range(1, limit + 1)),
+                    ((j, pass_rate(self.cost, load, c.drafter.expected_tokens(j) or 0.0, j + 1, 0.0))
+                     for j in range(1, limit + 1)),
                     key=lambda x: x[1],
                 )
             else:
-                k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds)
-            if c.idle > c.probe_every and limit > 0:
+                k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds, load)
+            if c.idle > c.probe_every and limit > 0 and (c.cheap or not load.sequences):
                 stale.append((c.idle, c, min(PROBE_K, limit), preview))
             if k > 0 and rate > best[0]:
                 best = (rate, c, k, preview)
@@ -313,7 +342,7 @@ class AutoDrafter(Drafter):
         return c.seconds_per_token * (curve(pending) / curve(1) - 1.0)
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
-        if self._t_ready:  # a verify pass ran since propose (not the prefill's first token)
+        if self._t_ready and not self._load.sequences:  # a verify pass of its own ran since propose
             self.cost.observe(self._k + 1, time.perf_counter() - self._t_ready)
         self._t_ready = 0.0
         if self._chosen is not None and self._k:
