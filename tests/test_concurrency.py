@@ -276,6 +276,44 @@ def test_worker_serves_clients_at_once_in_arrival_order(model: LoadedModel) -> N
     assert len(engine._free) == 2
 
 
+
+def test_the_thread_that_starts_the_worker_hands_over_its_compute_threads() -> None:
+    """libgomp keeps a team of workers per thread that ran a parallel region and, once its teams hold
+    more threads than there are CPUs, lets every barrier spin only ~100 times: the loader's team
+    beside the engine thread's put the compute threads to sleep at each barrier of every pass. The
+    thread that starts the worker (the one that loaded the model) ends its team first."""
+    import os
+    import threading
+    import time
+
+    from quickdraft.hardware import hand_over_compute_threads
+
+    def count() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    seen: dict[str, Any] = {}
+
+    def loader() -> None:  # a fresh thread: its team is its own, whatever ran before in this process
+        torch.set_num_threads(2)
+        before = count()
+        torch.ones(1 << 22).exp_()  # large enough for a parallel region of 2 threads
+        seen["with team"] = count() - before
+        seen["handed over"] = hand_over_compute_threads()
+        for _ in range(100):  # (the worker leaves its barrier and exits a moment later)
+            if count() == before:
+                break
+            time.sleep(0.01)
+        seen["after"] = count() - before
+
+    threads = torch.get_num_threads()
+    try:
+        t = threading.Thread(target=loader)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"with team": 1, "handed over": True, "after": 0}
+
 def alone_with(model: LoadedModel, req: Request, drafter: Drafter | None, k: int) -> list[int]:
     engine = Engine(model.model, model.tokenizer)
     return [t for s in engine.generate(req.prompt, req.params, drafter, k) for t in s.token_ids]

@@ -57,7 +57,7 @@ class DecoderStack {
     const int64_t T = x.size(0);
     std::vector<torch::Tensor> captured;
     const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
-    x = x.contiguous();  // (the GEMMs release the GIL while they run)
+    x = x.contiguous();
     for (int64_t i = 0; i < num_layers(); ++i) {
       if (wants(i)) captured.push_back(x);
       const auto& [in_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down] = layers_[i];
@@ -100,7 +100,9 @@ void register_decode(pybind11::module& m) {
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"),
            pybind11::arg("window"))
       .def("num_layers", &DecoderStack::num_layers)
+      // the whole pass without the GIL (torch's C++ ops and the kernels never need it)
       .def("run", &DecoderStack::run, "(hidden [T, H], captured layer inputs) for one decode / verify pass",
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
            pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
            pybind11::arg("start"), pybind11::arg("slots") = pybind11::none(),
            pybind11::arg("offsets") = pybind11::none(), pybind11::arg("capture") = std::vector<int64_t>{});

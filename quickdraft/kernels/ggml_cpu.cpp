@@ -235,7 +235,7 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
   const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
   const float* xp = x.data_ptr<float>();
   const qd_abi::Tuning tune = tuning_of(qd_abi::tuning_class(T));
-  pybind11::gil_scoped_release nogil;
+  qd_api::ReleaseGil nogil;
   if (g_isa.load(std::memory_order_relaxed) == ISA_AVX512VNNI)
     qd_abi::gemm_multi_avx512vnni(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt, tune);
   else

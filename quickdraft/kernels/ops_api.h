@@ -9,6 +9,22 @@
 
 namespace qd_api {
 
+// Releases the GIL for its scope where the calling thread holds it (a kernel called from Python)
+// and does nothing where it does not (a kernel called by DecoderStack::run, which runs the whole
+// pass without the GIL, so the event loop's thread never makes a pass wait for it).
+class ReleaseGil {
+ public:
+  ReleaseGil() : saved_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~ReleaseGil() {
+    if (saved_ != nullptr) PyEval_RestoreThread(saved_);
+  }
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  PyThreadState* saved_;
+};
+
 // (kernel type id, raw blocks [N, row_bytes], in_features, bias [N] or None)
 using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
 

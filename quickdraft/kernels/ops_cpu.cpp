@@ -463,7 +463,7 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   // threads only when there is enough work to pay for waking them
   const int nt = static_cast<int>(std::min<int64_t>({at::get_num_threads(), work,
                                                       std::max<int64_t>(1, T * Hkv * group * S / 1024)}));
-  pybind11::gil_scoped_release nogil;
+  qd_api::ReleaseGil nogil;
 #pragma omp parallel num_threads(std::max(nt, 1))
   {
     std::vector<float> p, acc, tiles;

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from quickdraft.constraints import Constraint
 from quickdraft.engine import Engine, Generation, StepOutput
+from quickdraft.hardware import hand_over_compute_threads
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.metrics import RequestTimer, ServerMetrics
 from quickdraft.speculative.base import Drafter
@@ -108,7 +109,10 @@ class EngineWorker:
         metrics.max_running.set(engine.max_sequences)
 
     def start(self) -> None:
+        """Run the engine on a thread of its own from now on; the calling thread's compute
+        threads end (:func:`~quickdraft.hardware.hand_over_compute_threads`)."""
         if self._thread is None:
+            hand_over_compute_threads()
             self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
             self._thread.start()
 
