@@ -333,8 +333,8 @@ class Engine:
         constraint: Constraint | None = None,
     ) -> Generation:
         """Start a request between steps: it takes a free lane (the one already holding the longest
-        prefix of its prompt) and the prefix cache's longest match; its prompt is read by the next
-        steps. Raises QuickdraftError for a request that cannot run (and when no lane is free)."""
+        prefix of its prompt) and the longest match of the prefix cache or of a running sequence;
+        its prompt is read by the next steps. Raises QuickdraftError for a request that cannot run (and when no lane is free)."""
         if not self._free:
             raise QuickdraftError(f"all {self.max_sequences} sequences are running; wait for one to finish")
         req = self._start(prompt_ids, params, drafter)
@@ -342,7 +342,9 @@ class Engine:
         req.capture = self._capture_layers(drafter)
         lane = max(self._free, key=lambda i: (self.prefix_cache.held_prefix(req.prompt_ids, self.lanes[i]), -i))
         cache = self.lanes[lane]
-        cached = self.prefix_cache.reuse(req.prompt_ids, cache, drafter)
+        running = [(np.concatenate([g.req.prompt_ids, np.asarray(g.req.output, dtype=np.int64)]), g.cache)
+                   for g in self.running]
+        cached = self.prefix_cache.reuse(req.prompt_ids, cache, drafter, running)
         self._free.remove(lane)
         req.stats.cached_tokens = cached
         gen = Generation(req, drafter, num_draft if drafter is not None else 0, lane, cache, cached, cached)

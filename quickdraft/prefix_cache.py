@@ -15,7 +15,10 @@ need a block table in every kernel; copies fit this design better:
   evicted least-recently-used under a byte budget. When a prompt matches one of them better than
   the working cache, the working sequence is copied out first (if not stored already), then the
   entry's first m slots are copied back in: ~60 ms for 4k tokens of a 1.5B model, against seconds
-  to recompute them.
+  to recompute them;
+- the sequences running in other lanes count too: a prompt that begins like one of them (a shared
+  system prompt, the same question from another user) copies its computed slots lane to lane
+  (their drafter state stays theirs).
 
 Matching is on token ids, longest common prefix, never on session objects: a chat template may
 render the previous answer with other ids than were generated, an earlier message may be edited,
@@ -105,6 +108,7 @@ class PrefixCacheStats:
     cached_tokens: int = 0  # prompt tokens not recomputed
     stored: int = 0
     evicted: int = 0
+    from_running: int = 0  # requests whose prefix was copied from a sequence still running
 
 
 @dataclass
@@ -155,9 +159,15 @@ class PrefixCache:
             return 0
         return common_prefix(self._working(cache).held, prompt, cache.length)
 
-    def reuse(self, prompt: np.ndarray, cache: KVCache, drafter: Drafter | None) -> int:
+    def reuse(
+        self, prompt: np.ndarray, cache: KVCache, drafter: Drafter | None,
+        running: Sequence[tuple[np.ndarray, KVCache]] = (),
+    ) -> int:
         """Put the longest cached prefix of ``prompt`` into ``cache`` (and the drafter's state) and
-        return its length m: the caller computes ``prompt[m:]``. m < len(prompt) always."""
+        return its length m: the caller computes ``prompt[m:]``. m < len(prompt) always.
+        ``running``: the (ids, cache) of the sequences running beside it in other lanes, whose
+        first ``cache.length`` slots hold ``ids``' keys and values: a longer match there is copied
+        lane to lane (a shared system prompt, the same question again)."""
         if not self.enabled:
             cache.reset()
             return 0
@@ -165,7 +175,18 @@ class PrefixCache:
         limit = len(prompt) - 1  # the last prompt token is always run: its logits pick the next
         m = common_prefix(work.held, prompt, min(limit, cache.length))
         best, best_m = self._match(prompt, limit) if cache.copyable else (None, 0)
-        if best is not None and best_m > m:
+        lane, lane_m = None, 0
+        for ids, other in running if cache.copyable else ():
+            n = common_prefix(ids, prompt, min(limit, other.length))
+            if n > lane_m:
+                lane, lane_m = other, n
+        if lane is not None and lane_m > max(m, best_m):
+            self._store_working(cache)
+            cache.restore((lane.k, lane.v), lane_m)
+            work.drafter = None  # that sequence's drafter state is its own
+            work.held, m = prompt[:lane_m].copy(), lane_m
+            self.stats.from_running += 1
+        elif best is not None and best_m > m:
             self._store_working(cache)
             cache.restore(best.kv, best_m)
             best.last_used = next(self._tick)

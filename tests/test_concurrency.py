@@ -176,6 +176,36 @@ def test_prefix_cache_hits_under_load_equal_cold_runs(model: LoadedModel) -> Non
         assert got2[i] == alone(model, r)
 
 
+
+@pytest.mark.parametrize("drafter", ["none", "auto"])
+def test_a_prefix_running_in_another_lane_is_copied_and_equals_cold(model: LoadedModel, drafter: str) -> None:
+    """B arrives while A, with the same long system prompt, still runs: B's lane copies A's computed
+    prefix instead of recomputing it, and both answers equal their cold answers alone."""
+    system = model.tokenizer.encode(TEXTS[3] + TEXTS[4])
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a = Request(system + model.tokenizer.encode("Hello"), params, drafter)
+    b = Request(system + model.tokenizer.encode("0123"), SamplingParams(max_tokens=8, temperature=0.8, seed=3), drafter)
+    engine = Engine(model.model, model.tokenizer, max_sequences=2, prefix_cache=PrefixCache(64 << 20))
+    gen_a = engine.add(a.prompt, a.params, make_drafter(a.drafter, model), a.k)
+    got: dict[Generation, list[int]] = {gen_a: []}
+    while gen_a.computed < len(a.prompt) or not got[gen_a]:  # A's prompt read, a token out
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got[gen] += step.token_ids
+    gen_b = engine.add(b.prompt, b.params, make_drafter(b.drafter, model), b.k)
+    shared = next(i for i, (x, y) in enumerate(zip(a.prompt, b.prompt, strict=False)) if x != y)
+    assert gen_b.cached == shared >= len(system)
+    assert engine.prefix_cache.stats.from_running == 1
+    got[gen_b] = []
+    while engine.running:
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got[gen] += step.token_ids
+            if step.finished:
+                engine.remove(gen)
+    assert got[gen_a] == alone(model, a)
+    assert got[gen_b] == alone(model, b)
+
 def test_rows_of_several_sequences_in_one_pass_equal_each_alone(model: LoadedModel) -> None:
     """Below the engine: one pass over a chain of sequence A, a decode row of B and a tree of C
     (each after its own context in its own lane) gives bitwise each sequence's logits and keys /
