@@ -199,9 +199,24 @@ class KVPool:
             raise ValueError(f"a pass of {rows} rows does not fit {self.staging} staging slots")
         self.buffer.length = self.staging_start
 
-    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """The position every buffer slot up to a staged pass's end holds [staging_start + T]."""
-        return torch.cat([self._region_pos, positions.to(self._region_pos.device)])
+    def slot_positions(self, positions: torch.Tensor, held: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """The position every buffer slot up to a staged pass's end holds [staging_start + T]:
+        slot j of a lane holds position j, except for the lanes in ``held`` {lane: the positions
+        of its first n slots} (a sequence whose cache skipped positions), then the pass's rows."""
+        region = self._region_pos
+        if held:
+            region = region.clone()
+            for lane, pos in held.items():
+                region[self.base(lane) : self.base(lane) + pos.numel()] = pos.to(region.device)
+        return torch.cat([region, positions.to(region.device)])
+
+    def visible(self, lane: int, committed: int, staged: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Buffer slots each staged row of lane ``lane`` attends to, row by row: the lane's first
+        ``committed`` slots, then its own rows of the pass ``staged[j]`` (offsets into this pass's
+        staging slots, in position order)."""
+        base = self.base(lane)
+        prefix = torch.arange(base, base + committed, device=self.buffer.k.device)
+        return [torch.cat([prefix, own.to(prefix.device) + self.staging_start]) for own in staged]
 
     def keep(self, lane: int, staged: torch.Tensor) -> None:
         """Append the staged rows ``staged`` [n] (offsets into this pass's staging slots, in the

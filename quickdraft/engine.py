@@ -17,6 +17,9 @@ verdict is a root-to-node path, and ``cache.compact`` moves that path's KV behin
 Drafters that read target features (``capture_layers``, see :mod:`quickdraft.speculative.base`) get the
 captured hidden states of every row whose KV was kept, through ``feed``, before each commit.
 
+Drafters propose together before each pass (:func:`~quickdraft.speculative.batch.propose_together`):
+the passes their own models ask for run as one pass per round where the drafters share a KV pool.
+
 Prefill first asks the prefix cache (:mod:`quickdraft.prefix_cache`) for the longest already
 computed prefix of the prompt, then runs the rest in chunks of at most ``PREFILL_CHUNK`` rows: the
 same batch-invariant passes decoding uses, so a token's keys and values are bitwise the same
@@ -50,6 +53,7 @@ from quickdraft.sampling import (
     sample_at,
 )
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad, capture_layers_of
+from quickdraft.speculative.batch import propose_together
 from quickdraft.speculative.tree import (
     DraftTree,
     tree_chain,
@@ -409,9 +413,17 @@ class Engine:
             k_cap = PASS_ROWS // len(decoding) - 1
         parts: list[_Part | StepResult] = []
         left = PASS_ROWS
-        for g in decoding:
+        ks = [self._budget(g, min(g.num_draft, k_cap)) for g in decoding]
+        # every drafter's proposal, the passes of drafters on one draft model's lanes run together
+        drafting = [(g, g.drafter, k) for g, k in zip(decoding, ks, strict=True) if g.drafter is not None and k > 0]
+        done = propose_together([(d, k) for _, d, k in drafting])
+        proposals = {g: p for (g, _, _), p in zip(drafting, done, strict=True)}
+        for g, k in zip(decoding, ks, strict=True):
+            draft, seconds = proposals.get(g, (_NO_DRAFT, 0.0))
             try:
-                part = self._decode_part(g, min(g.num_draft, k_cap))
+                if isinstance(draft, Exception):
+                    raise draft
+                part = self._decode_part(g, k, draft, seconds)
             except Exception as exc:
                 parts.append((g, exc))
                 continue
@@ -446,12 +458,9 @@ class Engine:
         positions = torch.arange(s, e, device=self.device)
         return _Part(gen, gen.req.prompt[s:e], positions, gen.cache.length, logit_from=n - 1 if last else n)
 
-    def _decode_part(self, gen: Generation, k: int) -> _Part:
-        req, drafter = gen.req, gen.drafter
-        k = self._budget(gen, k)
-        t0 = time.perf_counter()
-        draft = drafter.propose(k) if drafter is not None and k > 0 else _NO_DRAFT
-        seconds = time.perf_counter() - t0
+    def _decode_part(self, gen: Generation, k: int, draft: Draft | DraftTree, seconds: float) -> _Part:
+        """[last token] + ``draft``, the drafter's answer to k (``seconds``: what drafting it cost)."""
+        req = gen.req
         if draft.k > k:
             raise ValueError(f"drafter {req.stats.drafter!r} proposed {draft.k} tokens, more than the {k} asked for")
         if isinstance(draft, DraftTree) and req.constraint is not None:
@@ -494,15 +503,12 @@ class Engine:
         offset = 0
         for p in parts:
             p.staged, p.offset = True, offset
-            base = self.pool.base(p.gen.lane)
-            committed = torch.arange(base, base + p.start, device=self.device)
-            first = self.pool.staging_start + offset
             if isinstance(p.draft, DraftTree):  # row j sees the root, its ancestors and itself
                 visible = tree_mask(0, p.draft, self.device)  # [t, t]
-                own = [first + row.nonzero().squeeze(1) for row in visible]
+                own = [offset + row.nonzero().squeeze(1) for row in visible]
             else:
-                own = [torch.arange(first, first + j + 1, device=self.device) for j in range(p.rows)]
-            slots += [torch.cat([committed, o]) for o in own]
+                own = [torch.arange(offset, offset + j + 1, device=self.device) for j in range(p.rows)]
+            slots += self.pool.visible(p.gen.lane, p.start, own)
             offset += p.rows
         positions = torch.cat([p.positions for p in parts])
         rows = RowSlots(slots, self.pool.slot_positions(positions))

@@ -31,10 +31,12 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.worker import EngineWorker
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad
+from quickdraft.speculative.batch import propose_together
 from quickdraft.speculative.draft_model import MAX_CATCH_UP, DraftModelDrafter
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.suffix import SuffixDrafter
 from quickdraft.speculative.tree import DraftTree, tree_mask, tree_positions
+from quickdraft.speculative.verify import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -406,3 +408,97 @@ def test_a_draft_model_under_load_leaves_the_prompt_to_its_first_proposal(model:
     alone = DraftModelDrafter(model.model, model.config.vocab_size, eager=True)
     alone.prefill(prompt, SamplingParams())
     assert alone.cache.length == len(prompt) - 1
+
+
+class PassCounter:
+    """Counts a model's passes on one cache (wraps ``forward``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, cache: object) -> None:
+        self.calls: list[int] = []  # rows of each pass on ``cache``
+        forward = model.forward
+
+        def counting(ids: torch.Tensor, c: object, *args: Any, **kw: Any) -> Any:
+            if c is cache:
+                self.calls.append(int(ids.shape[0]))
+            return forward(ids, c, *args, **kw)
+
+        monkeypatch.setattr(model, "forward", counting)
+
+
+def test_forked_draft_models_propose_in_one_pass_per_round_bitwise_as_alone(
+        model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four sequences' draft models, forked onto lanes of one KV pool, propose together: ONE pass of
+    the draft model per drafted token for all of them, and each one's proposal (tokens, draft
+    probabilities) and its cache afterwards are bitwise what a drafter of its own computes alone,
+    greedy and sampled, after a capped catch-up (slots lagging positions) and after rollbacks."""
+    vocab = model.config.vocab_size
+    base = DraftModelDrafter(model.model, vocab, eager=True)
+    pooled = [base] + [f for f in base.forks(3) if isinstance(f, DraftModelDrafter)]
+    assert len(pooled) == 4 and base.pool is not None and [d.lane for d in pooled] == [0, 1, 2, 3]
+    solo = [DraftModelDrafter(model.model, vocab, eager=True) for _ in pooled]
+    prompts = [torch.tensor(model.tokenizer.encode(t)) for t in TEXTS[:4]]
+    assert len(prompts[3]) > MAX_CATCH_UP + 1
+    for i, (p, s, prompt) in enumerate(zip(pooled, solo, prompts, strict=True)):
+        params = SamplingParams(temperature=0.9, seed=40 + i) if i % 2 else SamplingParams()
+        load = PassLoad(3, 6, 0.0, 3) if i == 3 else ALONE  # under load: the prompt is left to the first proposal
+        for d in (p, s):
+            d.join(load)
+            d.prefill(prompt, params)
+            d.commit(torch.tensor([7 + i]), 0)
+    counter = PassCounter(monkeypatch, model.model, base.pool.buffer)
+    for rnd, (k, accepted) in enumerate([(3, [0, 3, 1, 2]), (4, [4, 0, 2, 1])]):
+        reading = sum(p.pending_count() for p in pooled)
+        before = len(counter.calls)
+        together = propose_together([(p, k) for p in pooled])
+        assert counter.calls[before:] == [reading] + [len(pooled)] * (k - 1)  # one pass per drafted token
+        drafts = []
+        for i, ((draft, _), s) in enumerate(zip(together, solo, strict=True)):
+            assert isinstance(draft, Draft)
+            alone = s.propose(k)
+            assert torch.equal(draft.tokens, alone.tokens), f"sequence {i}, round {rnd}"
+            assert (draft.probs is None) == (alone.probs is None) == (i % 2 == 0)
+            if draft.probs is not None:
+                assert alone.probs is not None and torch.equal(draft.probs, alone.probs)
+            drafts.append(draft)
+        for i, (p, s) in enumerate(zip(pooled, solo, strict=True)):
+            n = accepted[i]
+            tokens = torch.cat([drafts[i].tokens[:n], torch.tensor([11 + i])])
+            p.commit(tokens, n)
+            s.commit(tokens, n)
+            (pk, pv), ptok, ppos = p.snapshot()
+            (sk, sv), stok, spos = s.snapshot()
+            assert (ptok, ppos) == (stok, spos) and torch.equal(pk, sk) and torch.equal(pv, sv)
+    assert pooled[3].offset > 0  # its slots lag its positions
+
+
+def test_requests_drafting_with_forked_draft_models_equal_each_alone(
+        model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine: four requests whose draft models are forks on one pool (their passes run
+    together) emit token for token what each emits alone with a draft model of its own; greedy,
+    seeded, and with a repetition penalty the draft ignores (wrong drafts)."""
+    vocab = model.config.vocab_size
+    base = DraftModelDrafter(model.model, vocab, eager=True)
+    drafters = [base, *base.forks(3)]
+    assert base.pool is not None
+    counter = PassCounter(monkeypatch, model.model, base.pool.buffer)
+    reqs = [Request(model.tokenizer.encode(TEXTS[i]), SamplingParams(**params), "draft", k=2 + i)
+            for i, params in enumerate([{"max_tokens": 20, "ignore_eos": True},
+                                        {"max_tokens": 16, "ignore_eos": True, "temperature": 0.9, "seed": 5},
+                                        {"max_tokens": 18, "ignore_eos": True, "repetition_penalty": 1.3},
+                                        {"max_tokens": 14, "ignore_eos": True, "temperature": 0.7, "seed": 9}])]
+    engine = Engine(model.model, model.tokenizer, max_sequences=4)
+    running = {engine.add(r.prompt, r.params, d, r.k): i for i, (r, d) in enumerate(zip(reqs, drafters, strict=True))}
+    got: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+    while running:
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got[running[gen]] += step.token_ids
+            if step.finished:
+                engine.remove(gen)
+                del running[gen]
+    assert any(rows > 1 for rows in counter.calls)  # the draft models' passes ran together
+    for i, r in enumerate(reqs):
+        own = Engine(model.model, model.tokenizer)
+        alone = [t for s in own.generate(r.prompt, r.params, DraftModelDrafter(model.model, vocab, eager=True), r.k)
+                 for t in s.token_ids]
+        assert got[i] == alone, f"request {i} ({r.params}) differs from its answer alone"

@@ -13,7 +13,7 @@ from tiny import make_tiny_hf_model
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import ALONE, Drafter, PassLoad
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad, run_alone
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import (
     CONFIDENT_K,
@@ -91,12 +91,12 @@ def test_auto_drafter_knows_the_context_and_stops_paying_at_long_ones() -> None:
     auto = AutoDrafter([draft], cost)
     auto.prefill(torch.arange(100), SamplingParams())
     assert cost.context == 100 and draft.pass_cost is not None and draft.pass_cost.context == 100
-    assert auto._choose(4)[1].k > 0  # short context: drafting pays
+    assert run_alone(auto._choose(4))[1].k > 0  # short context: drafting pays
     auto.commit(torch.tensor([5, 6]), 1)
     auto._set_context()
     assert cost.context == 102
     auto.prefill(torch.arange(20_000), SamplingParams())
-    assert auto._choose(4)[1].k == 0  # 20k tokens: every extra row costs 0.2 s of attention
+    assert run_alone(auto._choose(4))[1].k == 0  # 20k tokens: every extra row costs 0.2 s of attention
 
 
 def test_measure_attention_per_key(tmp_path: Path) -> None:
@@ -370,7 +370,7 @@ def test_auto_charges_a_draft_model_for_catching_up() -> None:
     def chosen(pending: int) -> int:
         cand = Candidate(BehindDrafter(truth, pending), Acceptance(0.9, 8), 0.5, cheap=False)
         auto = AutoDrafter([cand], cost)
-        return auto._choose(8)[1].k
+        return run_alone(auto._choose(8))[1].k
 
     assert chosen(1) > 0  # in sync: drafting pays (1.9 tokens for 1.6 one-token passes at k = 1)
     assert chosen(32) == 0  # 32 missed tokens cost a pass worth 5 one-token passes: plain wins
@@ -388,17 +388,17 @@ def test_auto_probes_a_stale_drafter_in_place_of_a_plain_step() -> None:
     truth = list(range(100, 140))
     behind = Candidate(BehindDrafter(truth, 32), Acceptance(0.3, 8), 0.5, cheap=False)
     auto = AutoDrafter([behind], cost)
-    picks = [auto._choose(8) for _ in range(PROBE_EVERY + 1)]
+    picks = [run_alone(auto._choose(8)) for _ in range(PROBE_EVERY + 1)]
     assert all(c is None and d.k == 0 for c, d in picks[:PROBE_EVERY])
     probe_choice, probe = picks[-1]
     assert probe_choice is behind and probe.k == PROBE_K and behind.idle == 0
-    assert auto._choose(8)[1].k == 0  # measured now: plain again until the next probe is due
+    assert run_alone(auto._choose(8))[1].k == 0  # measured now: plain again until the next probe is due
 
     good = Candidate(EchoDrafter(truth), Acceptance(0.95, 8), 0.0, cheap=True)
     stale = Candidate(BehindDrafter(truth, 32), Acceptance(0.3, 8), 0.5, cheap=False)
     mixed = AutoDrafter([good, stale], cost)
     stale.idle = PROBE_EVERY + 5
-    chosen, draft = mixed._choose(8)
+    chosen, draft = run_alone(mixed._choose(8))
     assert chosen is good and draft.k > PROBE_K  # the paying drafter keeps the step
 
 
@@ -412,10 +412,10 @@ def test_auto_takes_a_paying_free_proposal_over_a_draft_model() -> None:
     model = Candidate(BehindDrafter(truth, 1), Acceptance(0.99, 8), 0.02, cheap=False)
     auto = AutoDrafter([free, model], cost)
     assert best_k(cost, model, 8)[1] > best_k(cost, free, 8)[1]  # per step, the model rates higher
-    chosen, draft = auto._choose(8)
+    chosen, draft = run_alone(auto._choose(8))
     assert chosen is free and draft.k > 0
     free.drafter.out = len(truth)  # nothing left to propose: an empty preview
-    chosen, draft = auto._choose(8)
+    chosen, draft = run_alone(auto._choose(8))
     assert chosen is model and draft.k > 0
 
 
@@ -456,15 +456,15 @@ def test_auto_offers_a_self_stopping_drafter_at_least_confident_k() -> None:
     cost = FrozenCost({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8})
     truth = list(range(100, 140))
     plain_model = Candidate(BehindDrafter(truth, 1), Acceptance(0.5, 8), 0.1, cheap=False)
-    k_cost = AutoDrafter([plain_model], cost)._choose(8)[1].k
+    k_cost = run_alone(AutoDrafter([plain_model], cost)._choose(8))[1].k
     assert 0 < k_cost < CONFIDENT_K  # a modest acceptance: the cost model alone drafts a little
 
     confident = ConfidentDrafter(truth)
     auto = AutoDrafter([Candidate(confident, Acceptance(0.5, 8), 0.1, cheap=False)], cost)
-    assert auto._choose(8)[1].k == CONFIDENT_K and confident.asked == [CONFIDENT_K]
-    assert auto._choose(3)[1].k == 3 and confident.asked[-1] == 3  # never past the step's budget
+    assert run_alone(auto._choose(8))[1].k == CONFIDENT_K and confident.asked == [CONFIDENT_K]
+    assert run_alone(auto._choose(3))[1].k == 3 and confident.asked[-1] == 3  # never past the step's budget
     confident.stop_below = 0.0  # the rule switched off: the cost model's k again
-    assert auto._choose(8)[1].k == k_cost
+    assert run_alone(auto._choose(8))[1].k == k_cost
 
 
 def test_the_start_up_line_names_what_auto_chooses_among() -> None:
@@ -515,7 +515,7 @@ def test_auto_under_load_neither_probes_a_model_drafter_nor_observes_pass_times(
     auto = AutoDrafter([behind], cost)
     auto.join(PassLoad(sequences=3, rows=12, draft_seconds=0.0, tokens=4.0))
     for _ in range(3 * PROBE_EVERY):
-        chosen, draft = auto._choose(8)
+        chosen, draft = run_alone(auto._choose(8))
         assert chosen is None and draft.k == 0
         auto._t_ready = 1.0  # as if a pass ran since (propose sets it)
         auto.commit(torch.tensor([1]), 0)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
-from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.base import Drafter, DraftPass
 from quickdraft.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
@@ -558,16 +558,15 @@ def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: 
     others = torch.ones(tiny.vocab, dtype=torch.bool)
     others[keep] = False
     assert bool(others.any()) and bool(torch.isneginf(cut[:, others]).all())
-    drafter = DraftModelDrafter(draft.model, tiny.vocab, vocab=vocab)
     proposed: list[int] = []
-    original = drafter.propose
 
-    def spy(k: int):  # noqa: ANN202
-        d = original(k)
-        proposed.extend(d.tokens.tolist())
-        return d
+    class Spy(DraftModelDrafter):
+        def drafting(self, k: int) -> Generator[DraftPass, torch.Tensor, Draft]:
+            d = yield from super().drafting(k)
+            proposed.extend(d.tokens.tolist())
+            return d
 
-    drafter.propose = spy  # type: ignore[method-assign]
+    drafter = Spy(draft.model, tiny.vocab, vocab=vocab)
     run = tiny.spec(drafter, 4)
     assert run.ids == tiny.truth and run.stats.drafted > 0
     assert proposed and set(proposed) <= set(keep.tolist())
@@ -655,8 +654,8 @@ class ScriptedConfidence(DraftModelDrafter):
     def _confidence(self, logits: torch.Tensor, q: torch.Tensor | None) -> float:
         return super()._confidence(logits, q) if self.confidences is None else self.confidences()
 
-    def propose(self, k: int) -> Draft:
-        draft = super().propose(k)
+    def drafting(self, k: int) -> Generator[DraftPass, torch.Tensor, Draft]:
+        draft = yield from super().drafting(k)
         self.lengths.append(draft.k)
         self.asked.append(k)
         return draft

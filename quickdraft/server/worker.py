@@ -100,7 +100,7 @@ class EngineWorker:
         # one drafter instance per sequence that can run at once (drafters keep per-sequence state)
         self._drafters: list[Drafter | None] = [drafter]
         if drafter is not None:
-            self._drafters += [drafter.fork() for _ in range(engine.max_sequences - 1)]
+            self._drafters += drafter.forks(engine.max_sequences - 1)
         else:
             self._drafters *= engine.max_sequences
         self._queue: queue.Queue[Job | None] = queue.Queue()

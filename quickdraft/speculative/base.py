@@ -40,11 +40,14 @@ features (the engine never reuses more of the target's cache than that), and its
 
 from __future__ import annotations
 
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from torch import Tensor
 
+from quickdraft.cache import KVCache, KVPool
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
@@ -64,6 +67,50 @@ class PassLoad:
 
 
 ALONE = PassLoad()
+
+if TYPE_CHECKING:
+    from quickdraft.models.causal_lm import CausalLM
+
+
+@dataclass(frozen=True, eq=False)
+class DraftPass:
+    """One pass of a drafter's own model, asked for while it proposes (:meth:`Drafter.drafting`):
+    read ``ids`` [t] into ``cache`` at ``positions`` [t] (None: at the cache's next slots) and hand
+    back the logits of the last row [1, V]. ``slot_positions``: the position each slot of the cache
+    holds (they lag the slots after a capped catch-up). When the cache is lane ``lane`` of a
+    ``pool`` (drafters forked together share one), the passes of several sequences on that model
+    run as one pass over the pool: each row sees its own lane's slots in the same order, so every
+    sequence's logits are bitwise what its pass alone computes."""
+
+    model: CausalLM
+    cache: KVCache
+    ids: Tensor
+    positions: Tensor | None
+    slot_positions: Sequence[int]
+    pool: KVPool | None = None
+    lane: int = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    def run(self) -> Tensor:
+        """The pass by itself, on the drafter's own cache."""
+        logits, _ = self.model(self.ids, self.cache, positions=self.positions, num_logits=1)
+        return logits
+
+
+Result = TypeVar("Result")
+
+
+def run_alone(steps: Generator[DraftPass, Tensor, Result]) -> Result:
+    """Drive a :meth:`Drafter.drafting` generator to its proposal, each pass by itself."""
+    try:
+        ask = next(steps)
+        while True:
+            ask = steps.send(ask.run())
+    except StopIteration as done:
+        return done.value
 
 
 class Drafter:
@@ -87,8 +134,16 @@ class Drafter:
 
     def propose(self, k: int) -> Draft | DraftTree:
         """Up to ``k`` tokens (a chain) or tree nodes that continue the committed context (fewer,
-        even 0, is fine)."""
-        raise NotImplementedError
+        even 0, is fine). A subclass overrides this or :meth:`drafting` (each defaults to the other)."""
+        return run_alone(self.drafting(k))
+
+    def drafting(self, k: int) -> Generator[DraftPass, Tensor, Draft | DraftTree]:
+        """:meth:`propose` in steps, for a drafter that runs a model of its own: it yields each pass
+        it needs (:class:`DraftPass`) and is sent that pass's logits, so the engine runs the passes
+        of every sequence's drafter on the same model together (:mod:`quickdraft.speculative.batch`).
+        Default: the whole proposal at once, no pass asked for."""
+        return self.propose(k)
+        yield  # a generator that asks for no pass
 
     def commit(self, tokens: Tensor, num_accepted: int) -> None:
         """``tokens`` [n+1] were emitted: the first ``num_accepted`` came from the last proposal."""
@@ -102,10 +157,12 @@ class Drafter:
         bring to the pass this one joins (``ALONE`` when it runs alone). Drafters that weigh their
         cost (the auto drafter) or defer work under load (a draft model's prompt read) keep it."""
 
-    def fork(self) -> Drafter:
-        """A drafter of the same kind for another sequence generated at the same time: it shares
-        what is read-only or learned across requests (models, weights, cost and acceptance
-        statistics) and owns the per-sequence state (its caches, indexes, the current request)."""
+    def forks(self, count: int) -> list[Drafter]:
+        """``count`` drafters of the same kind for other sequences generated at the same time: they
+        share what is read-only or learned across requests (models, weights, cost and acceptance
+        statistics) and each owns its per-sequence state (its caches, indexes, the current
+        request). A drafter with a model of its own gives this one and its forks lanes of one KV
+        pool, so their passes can run together."""
         raise NotImplementedError(f"drafter {self.name!r} cannot draft for several sequences at once")
 
     def feed(self, hidden: Tensor) -> None:

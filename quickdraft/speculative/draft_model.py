@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Generator
 from typing import cast
 
 import torch
 from torch import Tensor
 
+from quickdraft.cache import KVPool
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.layers import BLOCKED_MAX_ROWS
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -49,13 +52,14 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import ALONE, Drafter, PassLoad
+from quickdraft.speculative.base import ALONE, Drafter, DraftPass, PassLoad
 from quickdraft.speculative.verify import Draft
 from quickdraft.speculative.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 MAX_CATCH_UP = 16  # missed tokens read at most before drafting (older ones are skipped)
+POOL_STAGING = BLOCKED_MAX_ROWS  # rows of one pass over several sequences' lanes (batch invariant)
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
@@ -99,6 +103,8 @@ class DraftModelDrafter(Drafter):
         self.eager = eager
         self.prefill_window = prefill_window
         self.cache = model.new_cache()
+        self.pool: KVPool | None = None  # the KV pool whose lane ``lane`` is the cache (see forks)
+        self.lane = 0
         self.slot_tokens: list[int] = []  # the token each cache slot holds ...
         self.slot_positions: list[int] = []  # ... and its position
         self.target_vocab = target_vocab
@@ -114,14 +120,28 @@ class DraftModelDrafter(Drafter):
     def join(self, load: PassLoad) -> None:
         self.load = load
 
-    def fork(self) -> DraftModelDrafter:
-        """Another sequence's drafter on the same draft model (its own KV cache). The model's cut
+    def forks(self, count: int) -> list[Drafter]:
+        """Other sequences' drafters on the same draft model. This drafter and its forks each own a
+        lane of one KV pool (what this one has read moves to the first lane), so the engine runs
+        their passes together (:class:`~quickdraft.speculative.base.DraftPass`). The model's cut
         output head is shared: each prefill widens it with that prompt's ids, so concurrent
         sequences draft from the latest prompt's cut (any draft distribution stays lossless)."""
-        twin = DraftModelDrafter(self.model, self.target_vocab, self.eager, self.vocab, self.stop_below,
-                                 self.prefill_window)
-        twin.last_token_seconds = self.last_token_seconds
-        return twin
+        length = self.cache.max_len
+        buffer = self.model.make_cache((count + 1) * length + POOL_STAGING)
+        pool = KVPool(buffer, count + 1, length, POOL_STAGING) if buffer.copyable else None
+        if pool is not None:
+            n = self.cache.length
+            pool.lanes[0].restore(self.cache.snapshot(n), n)
+            self.cache, self.pool, self.lane = pool.lanes[0], pool, 0
+        twins: list[Drafter] = []
+        for i in range(1, count + 1):
+            twin = DraftModelDrafter(self.model, self.target_vocab, self.eager, self.vocab, self.stop_below,
+                                     self.prefill_window)
+            twin.last_token_seconds = self.last_token_seconds
+            if pool is not None:
+                twin.cache, twin.pool, twin.lane = pool.lanes[i], pool, i
+            twins.append(twin)
+        return twins
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         # q must be shaped like p except for penalties (they need history the draft lacks; any q
@@ -190,7 +210,7 @@ class DraftModelDrafter(Drafter):
         self.slot_tokens, self.slot_positions = list(tokens), list(positions)
         self.pending, self._proposed = [], None
 
-    def propose(self, k: int) -> Draft:
+    def drafting(self, k: int) -> Generator[DraftPass, Tensor, Draft]:
         if k <= 0 or not self.pending:
             return Draft(tokens=_EMPTY)
         if len(self.pending) > MAX_CATCH_UP and self.cache.length > 0:
@@ -208,10 +228,10 @@ class DraftModelDrafter(Drafter):
             t0 = time.perf_counter()
             start = self.cache.length + self.offset
             positions = torch.arange(start, start + ids.shape[0], device=self.model.device) if self.offset else None
-            logits, _ = self.model(ids, self.cache, positions=positions, num_logits=1)  # [1, V_draft]
+            logits = yield DraftPass(self.model, self.cache, ids, positions, self.slot_positions, self.pool, self.lane)
             self.slot_tokens.extend(ids.tolist())
             self.slot_positions.extend(range(start, start + ids.shape[0]))
-            if ids.shape[0] == 1:
+            if ids.shape[0] == 1 and not self.load.sequences:  # (under load the pass is shared)
                 self.last_token_seconds = time.perf_counter() - t0
             tok, q = self._pick(logits, self.length + len(tokens))
             tokens.append(tok)

@@ -133,8 +133,8 @@ class NGramDrafter(Drafter):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         self.index = NGramIndex(max_ngram, min_ngram)
 
-    def fork(self) -> NGramDrafter:
-        return NGramDrafter(self.index.max_ngram, self.index.min_ngram)
+    def forks(self, count: int) -> list[Drafter]:
+        return [NGramDrafter(self.index.max_ngram, self.index.min_ngram) for _ in range(count)]
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         # The index is a function of its ids alone: one that the prompt extends (the next turn of

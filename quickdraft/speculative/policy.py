@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import ALONE, Drafter, PassLoad, capture_layers_of
+from quickdraft.speculative.base import ALONE, Drafter, DraftPass, PassLoad, capture_layers_of
 from quickdraft.speculative.tree import DraftTree, cut_tree
 from quickdraft.speculative.verify import Draft
 
@@ -237,8 +238,8 @@ class AutoDrafter(Drafter):
             if part is not None:
                 c.drafter.restore(part)
 
-    def propose(self, k: int) -> Draft | DraftTree:
-        chosen, draft = self._choose(k)
+    def drafting(self, k: int) -> Generator[DraftPass, Tensor, Draft | DraftTree]:
+        chosen, draft = yield from self._choose(k)
         self._chosen, self._k = chosen, draft.k
         self._depth = draft.depth if isinstance(draft, DraftTree) else draft.k
         self.usage[chosen.drafter.name if chosen and draft.k else "none"] += 1
@@ -253,7 +254,7 @@ class AutoDrafter(Drafter):
                 own = c.drafter.context_length()
                 c.pass_cost.context = self._context if own is None else own
 
-    def _choose(self, budget: int) -> tuple[Candidate | None, Draft | DraftTree]:
+    def _choose(self, budget: int) -> Generator[DraftPass, Tensor, tuple[Candidate | None, Draft | DraftTree]]:
         self._set_context()
         load = self._load
         plain = pass_rate(self.cost, load, 1.0, 1, 0.0)
@@ -311,8 +312,8 @@ class AutoDrafter(Drafter):
         t0 = time.perf_counter()
         if preview is None and chosen.drafter.stop_below > 0:
             k = min(budget, max(k, CONFIDENT_K))
-        draft = _cut(preview, k) if preview is not None else chosen.drafter.propose(k)
-        if preview is None and draft.k:
+        draft = _cut(preview, k) if preview is not None else (yield from chosen.drafter.drafting(k))
+        if preview is None and draft.k and not load.sequences:  # (under load its passes are shared)
             # What this use really cost beyond the model's k * seconds_per_token + catch-up:
             # learned, so a drafter whose real cost is higher stops looking like it pays.
             spent = time.perf_counter() - t0 - catch_up - chosen.seconds_per_token * draft.k
@@ -356,10 +357,11 @@ class AutoDrafter(Drafter):
         for c in self.candidates:
             c.drafter.reset()
 
-    def fork(self) -> AutoDrafter:
+    def forks(self, count: int) -> list[Drafter]:
         """Forks of the candidates under the same cost model; acceptance statistics are shared."""
-        return AutoDrafter([dataclasses.replace(c, drafter=c.drafter.fork()) for c in self.candidates], self.cost,
-                           self.fixed_k)
+        twins = [c.drafter.forks(count) for c in self.candidates]
+        return [AutoDrafter([dataclasses.replace(c, drafter=t[i]) for c, t in zip(self.candidates, twins, strict=True)],
+                            self.cost, self.fixed_k) for i in range(count)]
 
 
 def _cut(draft: Draft | DraftTree, k: int) -> Draft | DraftTree:

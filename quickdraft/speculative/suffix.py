@@ -147,10 +147,13 @@ class SuffixDrafter(Drafter):
         self.acceptance = [Acceptance(p, MAX_PROPOSAL) for p in BUCKET_PRIORS]
         self._last: tuple[int, list[int]] | None = None  # (bucket, proposal) awaiting its outcome
 
-    def fork(self) -> SuffixDrafter:
-        twin = SuffixDrafter(self.min_match)
-        twin.acceptance = self.acceptance  # what proposals of each match length yield: learned together
-        return twin
+    def forks(self, count: int) -> list[Drafter]:
+        twins: list[Drafter] = []
+        for _ in range(count):
+            twin = SuffixDrafter(self.min_match)
+            twin.acceptance = self.acceptance  # what proposals of each match length yield: learned together
+            twins.append(twin)
+        return twins
 
     def _bucket(self) -> int:
         return max(i for i, lo in enumerate(MATCH_BUCKETS) if self.index.match >= lo or i == 0)
