@@ -481,6 +481,35 @@ def test_greedy_equivalence_random_head(random_target: LoadedModel, mode: str, p
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_forked_heads_draft_for_sequences_generated_together(random_target: LoadedModel, mode: str) -> None:
+    """A server runs several requests at once with one head: forks (a head cache each) draft for
+    three sequences in the same target passes, and each answer equals plain decoding alone."""
+    base = Eagle3Drafter(random_head(random_target), random_target.model, mode=mode, shape=SHAPE,
+                         cost=flat(), head_seconds=0.0, policy=False)
+    drafters = [base, *base.forks(2)]
+    assert all(isinstance(d, Eagle3Drafter) and d.head is base.head for d in drafters)
+    assert len({id(d.cache) for d in drafters if isinstance(d, Eagle3Drafter)}) == 3
+    engine = Engine(random_target.model, random_target.tokenizer, max_sequences=3)
+    texts = [PROMPT, "def add(a, b):", "x = 1\ny = 2\n"]
+    prompts = [random_target.tokenizer.encode(t) for t in texts]
+    params = [SamplingParams(max_tokens=16 + 2 * i, ignore_eos=True) for i in range(3)]
+    running = {engine.add(p, sp, d, 6): i for i, (p, sp, d) in enumerate(zip(prompts, params, drafters, strict=True))}
+    got: dict[int, list[int]] = {i: [] for i in range(3)}
+    drafted = 0
+    while running:
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got[running[gen]] += step.token_ids
+            if step.finished:
+                drafted += step.stats.drafted
+                engine.remove(gen)
+                del running[gen]
+    assert drafted > 0
+    for i in range(3):
+        assert got[i] == plain(random_target, prompts[i], params[i])
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_oracle_head_first_draft_always_accepted(bigram: Bigram, mode: str) -> None:
     target = bigram.loaded
     prompt = target.tokenizer.encode(PROMPT)

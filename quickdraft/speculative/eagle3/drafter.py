@@ -239,11 +239,15 @@ class Eagle3Drafter(Drafter):
         self._last, self._t_ready = None, 0.0
         self.tokens.extend(emitted)
 
-    def fork(self) -> Eagle3Drafter:
-        twin = Eagle3Drafter(self.head, self.target, self.mode, self.shape, self.cost, self.head_seconds, self.policy,
-                             self.observe_cost, self.alpha)
-        twin.variant = self.variant
-        return twin
+    def forks(self, count: int) -> list[Drafter]:
+        """Drafters on the same head, each with its own head cache (their passes run one by one)."""
+        twins: list[Drafter] = []
+        for _ in range(count):
+            twin = Eagle3Drafter(self.head, self.target, self.mode, self.shape, self.cost, self.head_seconds,
+                                 self.policy, self.observe_cost, self.alpha)
+            twin.variant = self.variant
+            twins.append(twin)
+        return twins
 
     def reset(self) -> None:
         self.cache.reset()
