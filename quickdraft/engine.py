@@ -420,9 +420,10 @@ class Engine:
         proposals = {g: p for (g, _, _), p in zip(drafting, done, strict=True)}
         for g, k in zip(decoding, ks, strict=True):
             draft, seconds = proposals.get(g, (_NO_DRAFT, 0.0))
+            if isinstance(draft, Exception):  # this generation's drafter failed
+                parts.append((g, draft))
+                continue
             try:
-                if isinstance(draft, Exception):
-                    raise draft
                 part = self._decode_part(g, k, draft, seconds)
             except Exception as exc:
                 parts.append((g, exc))

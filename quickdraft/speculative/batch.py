@@ -108,6 +108,7 @@ def _pooled_pass(pool: KVPool, asks: list[DraftPass]) -> list[Tensor]:
     slots: list[Tensor] = []
     positions: list[Tensor] = []
     held: dict[int, Tensor] = {}
+    staged: list[Tensor] = []  # each ask's rows in the pass
     offset = 0
     for a in asks:
         start = a.cache.length
@@ -115,24 +116,14 @@ def _pooled_pass(pool: KVPool, asks: list[DraftPass]) -> list[Tensor]:
         positions.append(pos.to(device))
         if a.positions is not None:  # slots lag positions: say which position each slot holds
             held[a.lane] = torch.tensor(a.slot_positions[:start], dtype=torch.long, device=device)
-        slots += pool.visible(a.lane, start, [torch.arange(offset, offset + j + 1, device=device) for j in range(a.rows)])
+        staged.append(torch.arange(offset, offset + a.rows, device=device))
+        slots += pool.visible(a.lane, start, [staged[-1][: j + 1] for j in range(a.rows)])
         offset += a.rows
     at = torch.cat(positions)
-    last_rows = torch.tensor(list(_ends(asks)), dtype=torch.long, device=device)
+    last_rows = torch.stack([rows[-1] for rows in staged])
     ids = torch.cat([a.ids.to(device) for a in asks])
     logits, _ = model(ids, pool.buffer, positions=at, rows=RowSlots(slots, pool.slot_positions(at, held)),
                       logit_rows=last_rows)
-    offset = 0
-    for a in asks:
-        pool.keep(a.lane, torch.arange(offset, offset + a.rows, device=device))
-        offset += a.rows
+    for a, rows in zip(asks, staged, strict=True):
+        pool.keep(a.lane, rows)
     return [logits[i : i + 1] for i in range(len(asks))]
-
-
-def _ends(asks: list[DraftPass]) -> list[int]:
-    """Each ask's last row in the pass."""
-    ends, offset = [], 0
-    for a in asks:
-        offset += a.rows
-        ends.append(offset - 1)
-    return ends

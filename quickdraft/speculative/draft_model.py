@@ -90,21 +90,27 @@ class DraftModelDrafter(Drafter):
         vocab: DraftVocab | None = None,
         stop_below: float = 0.0,
         prefill_window: int | None = None,
+        lane: tuple[KVPool, int] | None = None,
     ) -> None:
         """``eager``: read the prompt at prefill (as the engine's drafters do), instead of at its
         first use (for a mix where it may never be used for the request). ``vocab``:
         the ids the draft may propose (its output head is cut to them plus each prompt's ids).
         ``stop_below``: end a proposal after a token whose draft probability is below it (0: never).
-        ``prefill_window``: read at most max(window, rest / 4) prompt tokens at prefill (None: all)."""
+        ``prefill_window``: read at most max(window, rest / 4) prompt tokens at prefill (None: all).
+        ``lane``: (pool, i): its cache is lane i of that KV pool (see :meth:`forks`), else its own."""
         check_draft_confidence(stop_below)
         self.model = model
         self.stop_below = stop_below
         self.vocab = vocab
         self.eager = eager
         self.prefill_window = prefill_window
-        self.cache = model.new_cache()
         self.pool: KVPool | None = None  # the KV pool whose lane ``lane`` is the cache (see forks)
         self.lane = 0
+        if lane is None:
+            self.cache = model.new_cache()
+        else:
+            self.pool, self.lane = lane
+            self.cache = self.pool.lanes[self.lane]
         self.slot_tokens: list[int] = []  # the token each cache slot holds ...
         self.slot_positions: list[int] = []  # ... and its position
         self.target_vocab = target_vocab
@@ -136,10 +142,8 @@ class DraftModelDrafter(Drafter):
         twins: list[Drafter] = []
         for i in range(1, count + 1):
             twin = DraftModelDrafter(self.model, self.target_vocab, self.eager, self.vocab, self.stop_below,
-                                     self.prefill_window)
+                                     self.prefill_window, lane=None if pool is None else (pool, i))
             twin.last_token_seconds = self.last_token_seconds
-            if pool is not None:
-                twin.cache, twin.pool, twin.lane = pool.lanes[i], pool, i
             twins.append(twin)
         return twins
 
