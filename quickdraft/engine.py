@@ -44,7 +44,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.graphs import make_step_graphs
 from quickdraft.models.layers import BLOCKED_MAX_ROWS, PREFILL_CHUNK, RowSlots
-from quickdraft.prefix_cache import PrefixCache, as_ids
+from quickdraft.prefix_cache import PrefixCache, as_ids, common_prefix
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -175,6 +175,10 @@ PASS_ROWS = BLOCKED_MAX_ROWS
 # While a sequence still reads its prompt, each decoding one drafts at most this many tokens per
 # pass, leaving the rest of the pass to the prompt (time to first token of the new arrival).
 DRAFT_WHILE_PREFILLING = 2
+# A request whose prompt shares at least this many more leading tokens with a prompt another lane is
+# still computing waits for them and copies them (requests that arrive together: n > 1 choices, parallel
+# calls with one system prompt) instead of computing them too.
+FOLLOW_MIN = 32
 MAX_SEQUENCES = PASS_ROWS // 2  # every running sequence gets a last token and a draft token per pass
 
 
@@ -196,6 +200,10 @@ class Generation:
     rows: int = 0
     draft_seconds: float = 0.0
     emitted: int = 0
+    # A generation that waits for another lane to compute the first ``waits_for`` tokens of its
+    # prompt before it takes what is computed (Engine.add); None once it has.
+    follows: Generation | None = None
+    waits_for: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -338,22 +346,50 @@ class Engine:
     ) -> Generation:
         """Start a request between steps: it takes a free lane (the one already holding the longest
         prefix of its prompt) and the longest match of the prefix cache or of a running sequence;
-        its prompt is read by the next steps. Raises QuickdraftError for a request that cannot run (and when no lane is free)."""
+        its prompt is read by the next steps. When a sequence still reading its prompt shares at
+        least FOLLOW_MIN more leading tokens, it waits for them instead and then copies them.
+        Raises QuickdraftError for a request that cannot run (and when no lane is free)."""
         if not self._free:
             raise QuickdraftError(f"all {self.max_sequences} sequences are running; wait for one to finish")
         req = self._start(prompt_ids, params, drafter)
         req.constraint = constraint
         req.capture = self._capture_layers(drafter)
         lane = max(self._free, key=lambda i: (self.prefix_cache.held_prefix(req.prompt_ids, self.lanes[i]), -i))
-        cache = self.lanes[lane]
-        running = [(np.concatenate([g.req.prompt_ids, np.asarray(g.req.output, dtype=np.int64)]), g.cache)
-                   for g in self.running]
-        cached = self.prefix_cache.reuse(req.prompt_ids, cache, drafter, running)
+        gen = Generation(req, drafter, num_draft if drafter is not None else 0, lane, self.lanes[lane])
+        gen.follows, gen.waits_for = self._prefix_in_progress(gen)
+        if gen.follows is None:
+            self._reuse(gen)
         self._free.remove(lane)
-        req.stats.cached_tokens = cached
-        gen = Generation(req, drafter, num_draft if drafter is not None else 0, lane, cache, cached, cached)
         self.running.append(gen)
         return gen
+
+    def _prefix_in_progress(self, gen: Generation) -> tuple[Generation | None, int]:
+        """The running sequence still reading a prompt that shares at least FOLLOW_MIN more leading
+        tokens with ``gen``'s than are computed anywhere now, and how many it shares (None, 0: none)."""
+        prompt = gen.req.prompt_ids
+        if not self.prefix_cache.enabled or not gen.cache.copyable:
+            return None, 0
+        now = self.prefix_cache.stored_prefix(prompt, gen.cache)
+        best: tuple[Generation | None, int] = (None, 0)
+        for g in self.running:
+            if g.prefilling:
+                shared = common_prefix(g.req.prompt_ids, prompt, len(prompt) - 1)
+                if shared - max(now, min(shared, g.computed)) >= FOLLOW_MIN and shared > best[1]:
+                    best = (g, shared)
+        return best
+
+    def _reuse(self, gen: Generation) -> None:
+        """Put the longest computed prefix of ``gen``'s prompt into its lane (from the prefix cache
+        or a running sequence's lane); the next steps read the rest."""
+        running = [(np.concatenate([g.req.prompt_ids, np.asarray(g.req.output, dtype=np.int64)]), g.cache)
+                   for g in self.running if g is not gen]
+        cached = self.prefix_cache.reuse(gen.req.prompt_ids, gen.cache, gen.drafter, running)
+        gen.cached = gen.computed = gen.req.stats.cached_tokens = cached
+
+    def _waiting(self, gen: Generation) -> bool:
+        """Whether ``gen`` still waits for the sequence it follows to compute their shared prefix."""
+        leader = gen.follows
+        return leader is not None and leader in self.running and leader.prefilling and leader.computed < gen.waits_for
 
     def remove(self, gen: Generation) -> None:
         """A generation leaves (finished, stopped or cancelled): its lane is free again and what its
@@ -361,9 +397,11 @@ class Engine:
         if gen not in self.running:
             return
         self.running.remove(gen)
+        self._free.append(gen.lane)
+        if gen.follows is not None:  # it never started: its lane holds what it held before
+            return
         held = np.concatenate([gen.req.prompt_ids, np.asarray(gen.req.output, dtype=np.int64)])
         self.prefix_cache.release(held, gen.cache, gen.drafter)
-        self._free.append(gen.lane)
 
     def step(self) -> list[StepResult]:
         """One target pass over every running, unfinished generation: what each emitted (a prompt
@@ -431,6 +469,11 @@ class Engine:
             parts.append(part)
             left -= part.rows
         for g in prefilling:
+            if g.follows is not None:
+                if self._waiting(g):
+                    continue
+                g.follows = None
+                self._reuse(g)
             n = min(len(g.req.prompt_ids) - g.computed, PREFILL_CHUNK if alone else left)
             if n <= 0:
                 break

@@ -159,6 +159,15 @@ class PrefixCache:
             return 0
         return common_prefix(self._working(cache).held, prompt, cache.length)
 
+    def stored_prefix(self, prompt: np.ndarray, cache: KVCache) -> int:
+        """How many leading ``prompt`` ids :meth:`reuse` finds computed now in ``cache`` or a stored
+        entry (the most it would put into ``cache`` without a running sequence's help)."""
+        if not self.enabled:
+            return 0
+        limit = len(prompt) - 1
+        stored = self._match(prompt, limit)[1] if cache.copyable else 0
+        return max(min(self.held_prefix(prompt, cache), limit), stored)
+
     def reuse(
         self, prompt: np.ndarray, cache: KVCache, drafter: Drafter | None,
         running: Sequence[tuple[np.ndarray, KVCache]] = (),

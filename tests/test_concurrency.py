@@ -208,6 +208,39 @@ def test_a_prefix_running_in_another_lane_is_copied_and_equals_cold(model: Loade
     assert got[gen_a] == alone(model, a)
     assert got[gen_b] == alone(model, b)
 
+@pytest.mark.parametrize("drafter", ["none", "auto"])
+def test_requests_arriving_together_compute_a_shared_prompt_once(model: LoadedModel, drafter: str) -> None:
+    """n > 1 choices, parallel calls with one system prompt: requests added in the same step whose
+    prompts share a long prefix wait for the first to compute it, then copy it from its lane; one
+    that leaves before it starts frees its lane and changes nothing; every answer equals its cold
+    answer alone."""
+    system = model.tokenizer.encode(TEXTS[3] + TEXTS[4])
+    same = system + model.tokenizer.encode("Hello")
+    reqs = [Request(same, SamplingParams(max_tokens=10, ignore_eos=True), drafter),
+            Request(same, SamplingParams(max_tokens=8, temperature=0.8, seed=3), drafter),  # a second choice
+            Request(system + model.tokenizer.encode("0123"), SamplingParams(max_tokens=9, ignore_eos=True), drafter),
+            Request(model.tokenizer.encode(TEXTS[0]), SamplingParams(max_tokens=7, ignore_eos=True), drafter)]
+    engine = Engine(model.model, model.tokenizer, max_sequences=5, prefix_cache=PrefixCache(64 << 20))
+    gens = [engine.add(r.prompt, r.params, make_drafter(r.drafter, model), r.k) for r in reqs]
+    assert [g.follows is gens[0] for g in gens] == [False, True, True, False]
+    leaving = engine.add(same, reqs[0].params, make_drafter(drafter, model), 4)
+    assert leaving.follows is gens[0]
+    engine.remove(leaving)
+    assert len(engine._free) == 1 and engine.running == gens
+    got: dict[Generation, list[int]] = {g: [] for g in gens}
+    while engine.running:
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got[gen] += step.token_ids
+            if step.finished:
+                engine.remove(gen)
+    shared = next(i for i, (x, y) in enumerate(zip(same, reqs[2].prompt, strict=False)) if x != y)
+    assert [g.cached for g in gens] == [0, len(same) - 1, shared, 0]  # computed once, copied twice
+    assert engine.prefix_cache.stats.from_running == 2
+    for g, r in zip(gens, reqs, strict=True):
+        assert got[g] == alone(model, r)
+
+
 def test_rows_of_several_sequences_in_one_pass_equal_each_alone(model: LoadedModel) -> None:
     """Below the engine: one pass over a chain of sequence A, a decode row of B and a tree of C
     (each after its own context in its own lane) gives bitwise each sequence's logits and keys /

@@ -15,6 +15,7 @@ Targets are tiny random fp32 models. Two kinds of head:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -34,6 +35,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams
+from quickdraft.speculative.batch import propose_together
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
 from quickdraft.speculative.eagle3.head import (
     Eagle3Config,
@@ -251,7 +253,7 @@ def test_train_forward_unroll_equals_drafting(random_target: LoadedModel) -> Non
         cache = head.new_cache(32)
         head(embeds[0, : row + 1], fused[0, : row + 1], cache)
         drafted, _ = head(next_embeds[0, row : row + 1], h0[0, row : row + 1].detach(), cache,
-                          positions=torch.tensor([row + 1]))
+                          positions=torch.tensor([row + 1]), committed=row + 1)
         torch.testing.assert_close(drafted[0], logits1[0, row].detach(), atol=1e-4, rtol=1e-4)
 
 
@@ -507,6 +509,112 @@ def test_forked_heads_draft_for_sequences_generated_together(random_target: Load
     assert drafted > 0
     for i in range(3):
         assert got[i] == plain(random_target, prompts[i], params[i])
+
+
+class HeadPasses:
+    """Counts a head's passes: ("alone", rows) on one drafter's cache, ("pooled", rows) over a pool's lanes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, head: Eagle3Head) -> None:
+        self.calls: list[tuple[str, int]] = []
+        forward, forward_rows = head.forward, head.forward_rows
+
+        def alone(embeds: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            self.calls.append(("alone", int(embeds.shape[0])))
+            return forward(embeds, *args, **kw)
+
+        def pooled(embeds: torch.Tensor, *args: Any) -> Any:
+            self.calls.append(("pooled", int(embeds.shape[0])))
+            return forward_rows(embeds, *args)
+
+        monkeypatch.setattr(head, "forward", alone)
+        monkeypatch.setattr(head, "forward_rows", pooled)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_forked_heads_propose_in_one_head_pass_per_depth_bitwise_as_alone(
+        random_target: LoadedModel, monkeypatch: pytest.MonkeyPatch, mode: str, window: int | None) -> None:
+    """Four sequences' EAGLE-3 drafters forked onto lanes of one head KV pool propose together: the
+    head runs ONE pass per round for all of them (the root rows, then each depth), and each
+    proposal (tokens, tree, draft probabilities) and head cache afterwards are bitwise what a
+    drafter of its own computes alone: greedy and sampled, after rejections, with a sliding head."""
+    cfg = Eagle3Config.for_target(random_target.config, aux_layers=(0, 2, 4), draft_vocab_size=200)
+    head = build_head(dataclasses.replace(cfg, sliding_window=window), random_target.model)
+    init_head_weights(head, torch.Generator().manual_seed(3))
+
+    def drafter(**kw: Any) -> Eagle3Drafter:
+        return Eagle3Drafter(head, random_target.model, mode=mode, shape=SHAPE, cost=flat(), head_seconds=0.0,
+                             policy=False, **kw)
+
+    base = drafter()
+    pooled = [base] + [f for f in base.forks(3) if isinstance(f, Eagle3Drafter)]
+    assert base.pool is not None and [d.lane for d in pooled] == [0, 1, 2, 3]
+    solo = [drafter() for _ in pooled]
+    gen = torch.Generator().manual_seed(11)
+    width = 3 * random_target.config.hidden_size
+
+    def features(n: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen)
+
+    lengths = [9, 14, 6, 80]  # the last one's first root pass is more rows than a pooled pass takes
+    for i, (p, s, n) in enumerate(zip(pooled, solo, lengths, strict=True)):
+        prompt = torch.randint(0, random_target.config.vocab_size, (n,), generator=gen)
+        params = SamplingParams(temperature=0.9, seed=40 + i) if i % 2 and mode == "chain" else SamplingParams()
+        fed = features(n)
+        for d in (p, s):
+            d.prefill(prompt, params)
+            d.feed(fed)
+            d.commit(torch.tensor([7 + i]), 0)
+    counter = HeadPasses(monkeypatch, head)
+    accepted_before = [0] * 4
+    for rnd, (k, accepted) in enumerate([(4, [0, 3, 1, 2]), (4, [2, 0, 4, 1]), (3, [1, 1, 0, 3])]):
+        before = len(counter.calls)
+        together = propose_together([(p, k) for p in pooled])
+        rows = 1 if mode == "chain" else SHAPE.top_k  # per sequence and depth
+        if rnd == 0:
+            # the long prompt's root rows (64 + 16) run alone and then with the others' first depth:
+            # it drafts one round behind them, and its last depth runs alone
+            assert counter.calls[before:] == [("pooled", 9 + 14 + 6), ("alone", 64), ("pooled", 3 * rows + 16),
+                                              *[("pooled", 4 * rows)] * (k - 2), ("alone", rows)]
+        else:  # one pass for the four root passes, then one per depth
+            roots = sum(a + 1 for a in accepted_before)
+            assert counter.calls[before:] == [("pooled", roots), *[("pooled", 4 * rows)] * (k - 1)]
+        for i, ((draft, _), s) in enumerate(zip(together, solo, strict=True)):
+            alone = s.propose(k)
+            assert type(draft) is type(alone), f"sequence {i}, round {rnd}"
+            assert torch.equal(draft.tokens, alone.tokens), f"sequence {i}, round {rnd}"
+            if isinstance(draft, DraftTree):
+                assert isinstance(alone, DraftTree) and torch.equal(draft.parents, alone.parents)
+            else:
+                assert not isinstance(alone, DraftTree) and (draft.probs is None) == (alone.probs is None)
+                assert draft.probs is None or (alone.probs is not None and torch.equal(draft.probs, alone.probs))
+        for i, (p, s) in enumerate(zip(pooled, solo, strict=True)):
+            draft = together[i][0]
+            assert not isinstance(draft, Exception)
+            path = _first_child_path(draft)
+            n = min(accepted[i], len(path))
+            accepted_before[i] = n
+            emitted = torch.tensor(path[:n] + [20 + i + rnd])
+            fed = features(n + 1)
+            for d in (p, s):
+                d.feed(fed)
+                d.commit(emitted, n)
+            (pk, pv), pf, ptok = p.snapshot()
+            (sk, sv), sf, stok = s.snapshot()
+            assert ptok == stok and torch.equal(pf, sf) and torch.equal(pk, sk) and torch.equal(pv, sv)
+
+
+def _first_child_path(draft: Any) -> list[int]:
+    """The tokens of a chain, or of a tree's first-child path from the root."""
+    tokens = [int(t) for t in draft.tokens.tolist()]
+    if not isinstance(draft, DraftTree):
+        return tokens
+    parents = [int(x) for x in draft.parents.tolist()]
+    path, node = [], -1
+    while (child := next((c for c, p in enumerate(parents) if p == node), None)) is not None:
+        path.append(tokens[child])
+        node = child
+    return path
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

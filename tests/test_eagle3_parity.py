@@ -164,7 +164,7 @@ def _chain(head: Eagle3Head, hidden: torch.Tensor, ids: torch.Tensor, row: int, 
         else:
             tok = int(ids[row + k]) if row + k < len(ids) else 0
         pos = torch.tensor([row + k])
-        logits, s = head(head.embed_tokens(torch.tensor([tok])), s, cache, positions=pos)
+        logits, s = head(head.embed_tokens(torch.tensor([tok])), s, cache, positions=pos, committed=row + 1)
         out.append(logits[0])
     return out
 

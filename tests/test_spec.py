@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.options import EngineOptions
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits
-from quickdraft.speculative.base import Drafter, DraftPass
+from quickdraft.speculative.base import Drafter, Steps
 from quickdraft.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
@@ -561,7 +561,7 @@ def test_tiny_draft_model_with_a_cut_output_vocabulary(tiny: Case, tiny_folder: 
     proposed: list[int] = []
 
     class Spy(DraftModelDrafter):
-        def drafting(self, k: int) -> Generator[DraftPass, torch.Tensor, Draft]:
+        def drafting(self, k: int) -> Steps[Draft]:
             d = yield from super().drafting(k)
             proposed.extend(d.tokens.tolist())
             return d
@@ -654,7 +654,7 @@ class ScriptedConfidence(DraftModelDrafter):
     def _confidence(self, logits: torch.Tensor, q: torch.Tensor | None) -> float:
         return super()._confidence(logits, q) if self.confidences is None else self.confidences()
 
-    def drafting(self, k: int) -> Generator[DraftPass, torch.Tensor, Draft]:
+    def drafting(self, k: int) -> Steps[Draft]:
         draft = yield from super().drafting(k)
         self.lengths.append(draft.k)
         self.asked.append(k)

@@ -40,14 +40,18 @@ features (the engine never reuses more of the target's cache than that), and its
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Self, TypeVar
 
 import numpy as np
+import torch
 from torch import Tensor
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import KVPool
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
@@ -68,47 +72,68 @@ class PassLoad:
 
 ALONE = PassLoad()
 
-if TYPE_CHECKING:
-    from quickdraft.models.causal_lm import CausalLM
+
+@dataclass(frozen=True)
+class PassOutput:
+    """What a pass a drafter asked for gives back: the logits it asked for, the hidden state of
+    each of its rows where the drafter reads it (an EAGLE-3 head's ``h``; None otherwise), and the
+    seconds it took (its share of a pass run together with other drafters' asks)."""
+
+    logits: Tensor
+    hidden: Tensor | None = None
+    seconds: float = 0.0
 
 
-@dataclass(frozen=True, eq=False)
-class DraftPass:
-    """One pass of a drafter's own model, asked for while it proposes (:meth:`Drafter.drafting`):
-    read ``ids`` [t] into ``cache`` at ``positions`` [t] (None: at the cache's next slots) and hand
-    back the logits of the last row [1, V]. ``slot_positions``: the position each slot of the cache
-    holds (they lag the slots after a capped catch-up). When the cache is lane ``lane`` of a
-    ``pool`` (drafters forked together share one), the passes of several sequences on that model
-    run as one pass over the pool: each row sees its own lane's slots in the same order, so every
-    sequence's logits are bitwise what its pass alone computes."""
+class DraftPass(ABC):
+    """One pass of a drafter's own model, asked for while it proposes (:meth:`Drafter.drafting`).
 
-    model: CausalLM
-    cache: KVCache
-    ids: Tensor
-    positions: Tensor | None
-    slot_positions: Sequence[int]
-    pool: KVPool | None = None
-    lane: int = 0
+    Each kind of model says how to run its pass alone (:meth:`run`) and how to run several asks on
+    lanes of one KV pool as ONE pass (:meth:`together`): drafters forked together
+    (:meth:`Drafter.forks`) share a ``pool`` and each owns lane ``lane`` of it; every row sees its
+    own lane's slots in the same order as alone, so each ask's output is bitwise what its pass
+    alone computes."""
+
+    pool: KVPool | None
+    lane: int
 
     @property
+    @abstractmethod
     def rows(self) -> int:
-        return int(self.ids.shape[0])
+        """Rows this pass reads."""
 
-    def run(self) -> Tensor:
+    @abstractmethod
+    def run(self) -> PassOutput:
         """The pass by itself, on the drafter's own cache."""
-        logits, _ = self.model(self.ids, self.cache, positions=self.positions, num_logits=1)
-        return logits
+
+    @classmethod
+    @abstractmethod
+    def together(cls, asks: Sequence[Self]) -> list[PassOutput]:
+        """``asks`` (all of this kind, on lanes of one pool, at most its staging rows) as one pass;
+        each lane then holds its rows as its own pass would have left them."""
+
+
+def run_passes(asks: Sequence[DraftPass]) -> list[PassOutput]:
+    """Each ask's output: one ask alone, several (on lanes of one pool) as one pass; each with its
+    equal share of the pass's seconds."""
+    t0 = time.perf_counter()
+    outputs = [asks[0].run()] if len(asks) == 1 else type(asks[0]).together(asks)
+    device = outputs[0].logits.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    share = (time.perf_counter() - t0) / len(asks)
+    return [dataclasses.replace(out, seconds=share) for out in outputs]
 
 
 Result = TypeVar("Result")
+Steps = Generator[DraftPass, PassOutput, Result]
 
 
-def run_alone(steps: Generator[DraftPass, Tensor, Result]) -> Result:
+def run_alone(steps: Steps[Result]) -> Result:
     """Drive a :meth:`Drafter.drafting` generator to its proposal, each pass by itself."""
     try:
         ask = next(steps)
         while True:
-            ask = steps.send(ask.run())
+            ask = steps.send(run_passes([ask])[0])
     except StopIteration as done:
         return done.value
 
@@ -137,9 +162,9 @@ class Drafter:
         even 0, is fine). A subclass overrides this or :meth:`drafting` (each defaults to the other)."""
         return run_alone(self.drafting(k))
 
-    def drafting(self, k: int) -> Generator[DraftPass, Tensor, Draft | DraftTree]:
+    def drafting(self, k: int) -> Steps[Draft | DraftTree]:
         """:meth:`propose` in steps, for a drafter that runs a model of its own: it yields each pass
-        it needs (:class:`DraftPass`) and is sent that pass's logits, so the engine runs the passes
+        it needs (:class:`DraftPass`) and is sent that pass's output, so the engine runs the passes
         of every sequence's drafter on the same model together (:mod:`quickdraft.speculative.batch`).
         Default: the whole proposal at once, no pass asked for."""
         return self.propose(k)

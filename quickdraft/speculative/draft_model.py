@@ -34,17 +34,17 @@ assisted generation has the same rule, ``assistant_confidence_threshold``.)
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Generator
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVPool
+from quickdraft.cache import KVCache, KVPool
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -52,7 +52,7 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import ALONE, Drafter, DraftPass, PassLoad
+from quickdraft.speculative.base import ALONE, Drafter, DraftPass, PassLoad, PassOutput, Steps
 from quickdraft.speculative.verify import Draft
 from quickdraft.speculative.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
@@ -76,6 +76,61 @@ def check_draft_confidence(p: float) -> None:
     """Refuse a --draft-confidence outside [0, 1)."""
     if not 0.0 <= p < 1.0:
         raise QuickdraftError(f"--draft-confidence must be at least 0 (0: off) and below 1, got {p}")
+
+
+
+@dataclass(frozen=True, eq=False)
+class ModelPass(DraftPass):
+    """One pass of a draft model: read ``ids`` [t] into ``cache`` at ``positions`` [t] (None: at
+    the cache's next slots) and give back the logits of the last row [1, V]. ``slot_positions``:
+    the position each slot of the cache holds (they lag the slots after a capped catch-up)."""
+
+    model: CausalLM
+    cache: KVCache
+    ids: Tensor
+    positions: Tensor | None
+    slot_positions: Sequence[int]
+    pool: KVPool | None = None
+    lane: int = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    def run(self) -> PassOutput:
+        logits, _ = self.model(self.ids, self.cache, positions=self.positions, num_logits=1)
+        return PassOutput(logits)
+
+    @classmethod
+    def together(cls, asks: Sequence[ModelPass]) -> list[PassOutput]:
+        """The asks' rows as ONE pass of the model over the pool's staging slots (each row sees its
+        lane's slots, then its own rows of the pass); each lane then keeps its rows."""
+        pool, model = asks[0].pool, asks[0].model
+        assert pool is not None and all(a.pool is pool for a in asks)
+        device = pool.buffer.k.device
+        pool.begin_pass(sum(a.rows for a in asks))
+        slots: list[Tensor] = []
+        positions: list[Tensor] = []
+        held: dict[int, Tensor] = {}
+        staged: list[Tensor] = []  # each ask's rows in the pass
+        offset = 0
+        for a in asks:
+            start = a.cache.length
+            pos = a.positions if a.positions is not None else torch.arange(start, start + a.rows, device=device)
+            positions.append(pos.to(device))
+            if a.positions is not None:  # slots lag positions: say which position each slot holds
+                held[a.lane] = torch.tensor(a.slot_positions[:start], dtype=torch.long, device=device)
+            staged.append(torch.arange(offset, offset + a.rows, device=device))
+            slots += pool.visible(a.lane, start, [staged[-1][: j + 1] for j in range(a.rows)])
+            offset += a.rows
+        at = torch.cat(positions)
+        last_rows = torch.stack([rows[-1] for rows in staged])
+        ids = torch.cat([a.ids.to(device) for a in asks])
+        logits, _ = model(ids, pool.buffer, positions=at, rows=RowSlots(slots, pool.slot_positions(at, held)),
+                          logit_rows=last_rows)
+        for a, rows in zip(asks, staged, strict=True):
+            pool.keep(a.lane, rows)
+        return [PassOutput(logits[i : i + 1]) for i in range(len(asks))]
 
 
 class DraftModelDrafter(Drafter):
@@ -129,7 +184,7 @@ class DraftModelDrafter(Drafter):
     def forks(self, count: int) -> list[Drafter]:
         """Other sequences' drafters on the same draft model. This drafter and its forks each own a
         lane of one KV pool (what this one has read moves to the first lane), so the engine runs
-        their passes together (:class:`~quickdraft.speculative.base.DraftPass`). The model's cut
+        their passes together (:class:`ModelPass`). The model's cut
         output head is shared: each prefill widens it with that prompt's ids, so concurrent
         sequences draft from the latest prompt's cut (any draft distribution stays lossless)."""
         length = self.cache.max_len
@@ -214,7 +269,7 @@ class DraftModelDrafter(Drafter):
         self.slot_tokens, self.slot_positions = list(tokens), list(positions)
         self.pending, self._proposed = [], None
 
-    def drafting(self, k: int) -> Generator[DraftPass, Tensor, Draft]:
+    def drafting(self, k: int) -> Steps[Draft]:
         if k <= 0 or not self.pending:
             return Draft(tokens=_EMPTY)
         if len(self.pending) > MAX_CATCH_UP and self.cache.length > 0:
@@ -229,14 +284,14 @@ class DraftModelDrafter(Drafter):
         tokens: list[Tensor] = []
         qs: list[Tensor] = []
         for _ in range(k):
-            t0 = time.perf_counter()
             start = self.cache.length + self.offset
             positions = torch.arange(start, start + ids.shape[0], device=self.model.device) if self.offset else None
-            logits = yield DraftPass(self.model, self.cache, ids, positions, self.slot_positions, self.pool, self.lane)
+            out = yield ModelPass(self.model, self.cache, ids, positions, self.slot_positions, self.pool, self.lane)
+            logits = out.logits
             self.slot_tokens.extend(ids.tolist())
             self.slot_positions.extend(range(start, start + ids.shape[0]))
             if ids.shape[0] == 1 and not self.load.sequences:  # (under load the pass is shared)
-                self.last_token_seconds = time.perf_counter() - t0
+                self.last_token_seconds = out.seconds
             tok, q = self._pick(logits, self.length + len(tokens))
             tokens.append(tok)
             if q is not None:

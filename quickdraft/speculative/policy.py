@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +41,7 @@ from torch import Tensor
 
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import ALONE, Drafter, DraftPass, PassLoad, capture_layers_of
+from quickdraft.speculative.base import ALONE, Drafter, PassLoad, Steps, capture_layers_of
 from quickdraft.speculative.tree import DraftTree, cut_tree
 from quickdraft.speculative.verify import Draft
 
@@ -238,7 +237,7 @@ class AutoDrafter(Drafter):
             if part is not None:
                 c.drafter.restore(part)
 
-    def drafting(self, k: int) -> Generator[DraftPass, Tensor, Draft | DraftTree]:
+    def drafting(self, k: int) -> Steps[Draft | DraftTree]:
         chosen, draft = yield from self._choose(k)
         self._chosen, self._k = chosen, draft.k
         self._depth = draft.depth if isinstance(draft, DraftTree) else draft.k
@@ -254,7 +253,7 @@ class AutoDrafter(Drafter):
                 own = c.drafter.context_length()
                 c.pass_cost.context = self._context if own is None else own
 
-    def _choose(self, budget: int) -> Generator[DraftPass, Tensor, tuple[Candidate | None, Draft | DraftTree]]:
+    def _choose(self, budget: int) -> Steps[tuple[Candidate | None, Draft | DraftTree]]:
         self._set_context()
         load = self._load
         plain = pass_rate(self.cost, load, 1.0, 1, 0.0)
@@ -263,7 +262,7 @@ class AutoDrafter(Drafter):
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
         for c in self.candidates:
             c.idle += 1
-            preview = c.drafter.propose(min(budget, c.acceptance.max_k)) if c.cheap else None
+            preview = (yield from c.drafter.drafting(min(budget, c.acceptance.max_k))) if c.cheap else None
             limit = min(budget, c.acceptance.max_k, preview.k if preview is not None else budget)
             estimates = preview is not None and c.drafter.expected_tokens(1) is not None
             if self.fixed_k:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -54,16 +55,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quickdraft.cache import KVCache, KVPool
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import prefill_chunks
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots, prefill_chunks
 from quickdraft.sampling import (
     SamplingParams,
     probs_from_logits,
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.base import Drafter, DraftPass, PassOutput, Steps, run_alone
 from quickdraft.speculative.eagle3.head import Eagle3Head
 from quickdraft.speculative.policy import TargetCost
 from quickdraft.speculative.tree import DraftTree
@@ -73,6 +75,7 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 MODES = ("auto", "tree", "chain")
 CALIBRATION_EMA = 0.1
 ALPHA_RANGE = (0.02, 3.0)
+POOL_STAGING = BLOCKED_MAX_ROWS  # rows of one head pass over several sequences' lanes (batch invariant)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,73 @@ def default_shape(device: torch.device) -> TreeShape:
 def cost_rows(device: torch.device) -> tuple[int, ...]:
     """Row counts whose target pass cost is measured for sizing trees (interpolated between)."""
     return (1, 8, 16, 32, 64) if device.type == "cuda" else (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True, eq=False)
+class HeadPass(DraftPass):
+    """One pass of an EAGLE-3 head: rows (``embeds``, ``features``) [T, H] into ``cache`` at
+    ``positions`` (None: committed rows at the cache's next slots; else rows of a draft, seeing
+    what ``mask`` [T, start + T] allows, ``committed`` being the slots of committed rows below the
+    draft). Gives back the logits of the last ``num_logits`` rows (all if None) and every row's h."""
+
+    head: Eagle3Head
+    cache: KVCache
+    embeds: Tensor
+    features: Tensor
+    positions: Tensor | None = None
+    mask: Tensor | None = None
+    committed: int | None = None
+    num_logits: int | None = None
+    pool: KVPool | None = None
+    lane: int = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def run(self) -> PassOutput:
+        logits, h = self.head(self.embeds, self.features, self.cache, self.positions, self.mask, self.num_logits,
+                              self.committed)
+        return PassOutput(logits, h)
+
+    @classmethod
+    def together(cls, asks: Sequence[HeadPass]) -> list[PassOutput]:
+        """The asks' rows as ONE pass of the head over the pool's staging slots: each row sees the
+        slots of its lane and of its own ask's rows that it sees alone (:meth:`Eagle3Head.visible`),
+        in the same order; each lane then keeps its rows, as its own pass would have appended them."""
+        pool, head = asks[0].pool, asks[0].head
+        assert pool is not None and all(a.pool is pool for a in asks)
+        device = pool.buffer.k.device
+        pool.begin_pass(sum(a.rows for a in asks))
+        slots: list[Tensor] = []
+        positions: list[Tensor] = []
+        staged: list[Tensor] = []  # each ask's rows in the pass
+        logit_rows: list[Tensor] = []
+        offset = 0
+        for a in asks:
+            start, t = a.cache.length, a.rows
+            seen = head.visible(start, t, a.mask, a.committed).to(device)
+            base = pool.base(a.lane)
+            for row in seen:
+                lane_slots = row[:start].nonzero().squeeze(1) + base
+                own = row[start:].nonzero().squeeze(1) + pool.staging_start + offset
+                slots.append(torch.cat([lane_slots, own]))
+            at = a.positions if a.positions is not None else torch.arange(start, start + t)
+            positions.append(at.to(device))
+            staged.append(torch.arange(offset, offset + t, device=device))
+            logit_rows.append(staged[-1] if a.num_logits is None else staged[-1][t - a.num_logits :])
+            offset += t
+        at = torch.cat(positions)
+        logits, h = head.forward_rows(torch.cat([a.embeds for a in asks]), torch.cat([a.features for a in asks]),
+                                      pool.buffer, at, RowSlots(slots, pool.slot_positions(at)), torch.cat(logit_rows))
+        outputs = []
+        first = 0
+        for a, rows, wanted in zip(asks, staged, logit_rows, strict=True):
+            pool.keep(a.lane, rows)
+            n = int(wanted.numel())
+            outputs.append(PassOutput(logits[first : first + n], h[int(rows[0]) : int(rows[0]) + a.rows]))
+            first += n
+        return outputs
 
 
 @dataclass
@@ -146,6 +216,7 @@ class Eagle3Drafter(Drafter):
         policy: bool = True,
         observe_cost: bool = True,
         alpha: float = 1.0,
+        lane: tuple[KVPool, int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise QuickdraftError(f"EAGLE-3 mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -158,7 +229,13 @@ class Eagle3Drafter(Drafter):
         self.policy = policy
         self.capture_layers: tuple[int, ...] = head.config.aux_layers
         self._embedding = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
-        self.cache = head.new_cache(target.max_len + self.shape.max_depth * self.shape.top_k + 1)
+        self.pool: KVPool | None = None  # the KV pool whose lane ``lane`` is the head cache (see forks)
+        self.lane = 0
+        if lane is None:
+            self.cache = head.new_cache(target.max_len + self.shape.max_depth * self.shape.top_k + 1)
+        else:
+            self.pool, self.lane = lane
+            self.cache = self.pool.lanes[self.lane]
         self.cost = cost or TargetCost({1: 1.0, 2: 1.0})
         self.observe_cost = observe_cost
         self.head_seconds = head_seconds if head_seconds is not None else measure_head_seconds(head, self.shape.top_k)
@@ -240,11 +317,18 @@ class Eagle3Drafter(Drafter):
         self.tokens.extend(emitted)
 
     def forks(self, count: int) -> list[Drafter]:
-        """Drafters on the same head, each with its own head cache (their passes run one by one)."""
+        """Drafters on the same head for other sequences. This drafter and its forks each own a
+        lane of one KV pool for the head's rows (what this one holds moves to the first lane), so
+        the engine runs their head passes together (:class:`HeadPass`)."""
+        length = self.cache.max_len
+        pool = KVPool(self.head.new_cache((count + 1) * length + POOL_STAGING), count + 1, length, POOL_STAGING)
+        n = self.cache.length
+        pool.lanes[0].restore(self.cache.snapshot(n), n)
+        self.cache, self.pool, self.lane = pool.lanes[0], pool, 0
         twins: list[Drafter] = []
-        for _ in range(count):
+        for i in range(1, count + 1):
             twin = Eagle3Drafter(self.head, self.target, self.mode, self.shape, self.cost, self.head_seconds,
-                                 self.policy, self.observe_cost, self.alpha)
+                                 self.policy, self.observe_cost, self.alpha, lane=(pool, i))
             twin.variant = self.variant
             twins.append(twin)
         return twins
@@ -255,8 +339,8 @@ class Eagle3Drafter(Drafter):
         self._last, self._t_ready, self._last_row = None, 0.0, None
 
     @torch.inference_mode()
-    def propose(self, k: int) -> Draft | DraftTree:
-        root = self.catch_up() if k > 0 else None
+    def drafting(self, k: int) -> Steps[Draft | DraftTree]:
+        root = (yield from self._catch_up()) if k > 0 else None
         if root is None:
             return Draft(tokens=_EMPTY)
         logits, h = root
@@ -265,9 +349,9 @@ class Eagle3Drafter(Drafter):
         room = min(self.cache.max_len - base, self.head.max_len - base)
         draft: Draft | DraftTree
         if self.mode == "chain":
-            draft, proposal = self._chain(logits, h, min(k, room))
+            draft, proposal = yield from self._chain(logits, h, min(k, room))
         else:
-            tree, proposal = self._tree(logits, h, k, max(1, room // self.shape.top_k))
+            tree, proposal = yield from self._tree(logits, h, k, max(1, room // self.shape.top_k))
             draft = tree if tree.k else Draft(tokens=_EMPTY)
         self.cache.truncate(base)  # drafted rows used the head's own features: never kept
         self._last = proposal
@@ -282,6 +366,10 @@ class Eagle3Drafter(Drafter):
 
         None when there is nothing to draft from (no features, or tokens and features out of step).
         """
+        return run_alone(self._catch_up())
+
+    def _catch_up(self) -> Steps[tuple[Tensor, Tensor] | None]:
+        """:meth:`catch_up` in passes (the root pass of a proposal)."""
         if self.fed == 0 or len(self.tokens) != self.fed + 1 or self.features is None:
             return None
         start = self.cache.length
@@ -289,13 +377,14 @@ class Eagle3Drafter(Drafter):
             return self._last_row
         if self.cache.max_len - start < self.fed - start + self.shape.max_depth * self.shape.top_k:
             return None  # the context is nearly full: nothing left to draft into
-        t0 = time.perf_counter()
         for s, e in prefill_chunks(start, self.fed):
             ids = torch.tensor(self.tokens[s + 1 : e + 1], dtype=torch.long, device=self.head.device)
-            logits, h = self.head(self._embed(ids), self.head.fuse(self.features[s:e]), self.cache, num_logits=1)
+            out = yield HeadPass(self.head, self.cache, self._embed(ids), self.head.fuse(self.features[s:e]),
+                                 num_logits=1, pool=self.pool, lane=self.lane)
         if self.fed - start <= 2:
-            self._time_pass(t0)
-        self._last_row = (logits, h[-1:])
+            self._time_pass(out.seconds)
+        assert out.hidden is not None
+        self._last_row = (out.logits, out.hidden[-1:])
         return self._last_row
 
     _last_row: tuple[Tensor, Tensor] | None = None
@@ -303,26 +392,27 @@ class Eagle3Drafter(Drafter):
     def _embed(self, target_ids: Tensor) -> Tensor:
         return self._embedding(target_ids).to(self.head.dtype)
 
-    def _time_pass(self, t0: float) -> None:
-        if self.head.device.type == "cuda":
-            torch.cuda.synchronize(self.head.device)
-        seconds = time.perf_counter() - t0
+    def _time_pass(self, seconds: float) -> None:
         self.head_seconds = 0.8 * self.head_seconds + 0.2 * seconds
 
-    def _run_rows(self, draft_ids: Tensor, features: Tensor, position: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """One drafting pass: rows (h of the parent, embedding of the node) all at ``position``."""
+    def _run_rows(self, draft_ids: Tensor, features: Tensor, position: int, mask: Tensor | None,
+                  committed: int) -> Steps[tuple[Tensor, Tensor]]:
+        """One drafting pass: rows (h of the parent, embedding of the node) all at ``position``,
+        above ``committed`` slots of committed rows."""
         target_ids = self.head.to_target_ids(draft_ids)
         positions = torch.full((draft_ids.shape[0],), position, dtype=torch.long, device=self.head.device)
-        t0 = time.perf_counter()
-        logits, h = self.head(self._embed(target_ids), features, self.cache, positions=positions, mask=mask)
-        self._time_pass(t0)
-        return logits, h
+        out = yield HeadPass(self.head, self.cache, self._embed(target_ids), features, positions, mask, committed,
+                             pool=self.pool, lane=self.lane)
+        self._time_pass(out.seconds)
+        assert out.hidden is not None
+        return out.logits, out.hidden
 
     # ------------------------------------------------------------------ chains
 
-    def _chain(self, logits: Tensor, h: Tensor, k: int) -> tuple[Draft, _Proposal]:
+    def _chain(self, logits: Tensor, h: Tensor, k: int) -> Steps[tuple[Draft, _Proposal]]:
         limit = min(k, self.shape.max_depth) if self.policy else k
-        position = self.cache.length - 1  # the root row's position
+        base = self.cache.length
+        position = base - 1  # the root row's position
         tokens: list[int] = []
         qs: list[Tensor] = []
         conf: list[float] = []
@@ -342,7 +432,7 @@ class Eagle3Drafter(Drafter):
             if n == limit:
                 break
             draft_id = self._to_draft[token : token + 1]
-            logits, h = self._run_rows(draft_id, h, position + n, None)
+            logits, h = yield from self._run_rows(draft_id, h, position + n, None, base)
         if not self.policy:
             used = len(tokens)
         n = len(tokens)  # the proposal keeps the token that did not pay, for calibration
@@ -367,7 +457,7 @@ class Eagle3Drafter(Drafter):
 
     # ------------------------------------------------------------------ trees
 
-    def _tree(self, logits: Tensor, root_h: Tensor, k: int, depth_room: int) -> tuple[DraftTree, _Proposal]:
+    def _tree(self, logits: Tensor, root_h: Tensor, k: int, depth_room: int) -> Steps[tuple[DraftTree, _Proposal]]:
         top_k, max_depth = self.shape.top_k, min(self.shape.max_depth, depth_room, k)
         budget = min(k, self.shape.max_nodes)
         base = self.cache.length
@@ -384,7 +474,7 @@ class Eagle3Drafter(Drafter):
             mask = self._tree_mask(nodes, frontier, base)
             draft_ids = torch.tensor([nodes[n].draft_id for n in frontier], dtype=torch.long, device=self.head.device)
             start = self.cache.length
-            logits, h = self._run_rows(draft_ids, parents_h, position + depth, mask)
+            logits, h = yield from self._run_rows(draft_ids, parents_h, position + depth, mask, base)
             passes += 1
             for row, n in enumerate(frontier):
                 nodes[n].slot, nodes[n].h = start + row, h[row : row + 1]

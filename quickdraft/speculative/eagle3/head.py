@@ -50,7 +50,16 @@ from torch import Tensor, nn
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, Step, causal_mask
+from quickdraft.models.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    Rope,
+    RowSlots,
+    Step,
+    causal_mask,
+)
 
 
 @dataclass(frozen=True)
@@ -311,16 +320,14 @@ class Eagle3Head(nn.Module):
             x = torch.cat([norm(c.contiguous()) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(x) if x.dim() == 2 else F.linear(x, self.fc.weight)
 
-    _committed = 0  # slots below this hold committed rows (the end of the last pass without positions)
-
-    def output(self, h: Tensor, num_logits: int | None = None) -> tuple[Tensor, Tensor]:
-        """(logits [n, Vd] of the last ``num_logits`` rows (all if None), the state [T, H] the next
-        drafted row reads): lm_head(norm(h)) and h, or the variants' forms (see the module doc)."""
+    def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(logits [n, Vd] of ``rows`` (all if None), the state [T, H] the next drafted row reads):
+        lm_head(norm(h)) and h, or the variants' forms (see the module doc)."""
         cfg = self.config
         if cfg.norm_output:
             z = self.norm(h)
-            return self.lm_head(z if num_logits is None else z[-num_logits:]), z
-        out = h if num_logits is None else h[-num_logits:]
+            return self.lm_head(z if rows is None else z.index_select(0, rows)), z
+        out = h if rows is None else h.index_select(0, rows)
         return self.lm_head(self.norm(out) if cfg.final_norm else out), h
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
@@ -345,41 +352,75 @@ class Eagle3Head(nn.Module):
         positions: Tensor | None = None,
         mask: Tensor | None = None,
         num_logits: int | None = None,
+        committed: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Run T rows, writing their keys/values into the next T slots of ``cache`` (1 layer).
 
         embeds [T, H] (token j+1's embedding), features [T, H] (fused target features or the
-        head's previous ``h``), positions [T] (default: the slots), mask [T, start + T] bool for
-        tree rows (default: causal). Returns (draft logits [n, Vd] float32 for the last
-        ``num_logits`` rows (all by default), h [T, H]). Row results do not depend on how many
-        rows share the call (quickdraft's blocked Linear and per-row attention).
+        head's previous ``h``), positions [T] (default: the slots; rows of a draft give theirs),
+        mask [T, start + T] bool for tree rows (default: causal), committed: the slots of committed
+        rows below a draft (a sliding head's drafted rows see the last W of them, see
+        :meth:`visible`). Returns (draft logits [n, Vd] float32 for the last ``num_logits`` rows
+        (all by default), h [T, H]). Row results do not depend on how many rows share the call
+        (quickdraft's blocked Linear and per-row attention).
         """
         t = embeds.shape[0]
         start, end = cache.reserve(t)
-        drafted = positions is not None  # rows of a draft (their positions given), not committed rows
         if positions is None:
             positions = torch.arange(start, end, device=embeds.device)
-            self._committed = end
         tree = mask is not None
-        if mask is None:
-            mask = causal_mask(start, t, embeds.device)
         window = self.config.sliding_window
         attn = self.midlayer.self_attn
-        if drafted and window is not None:
-            # As the references train a sliding head (speculators' TTT masks): a drafted row sees
-            # the committed rows within W of the draft's root (the last committed row), and every
-            # drafted ancestor its mask allows, however deep it is.
-            slot = torch.arange(end, device=embeds.device)
-            seen = mask if mask is not None else torch.ones(t, end, dtype=torch.bool, device=embeds.device)
-            mask = seen & (slot >= self._committed - window)  # drafted slots lie above _committed
-            tree, attn.window = True, None
+        if committed is not None and window is not None:
+            mask, tree, attn.window = self.visible(start, t, mask, committed), True, None
+        elif mask is None:
+            mask = causal_mask(start, t, embeds.device)
         step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
         try:
             h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
         finally:
             attn.window = window
         cache.advance(t)
-        logits, state = self.output(h, num_logits)
+        rows = None if num_logits is None else torch.arange(t - num_logits, t, device=h.device)
+        logits, state = self.output(h, rows)
+        return logits.float(), state
+
+    def visible(self, start: int, t: int, mask: Tensor | None, committed: int | None) -> Tensor:
+        """[T, start + T] bool: the slots each row of a pass over slots ``start..`` sees, its
+        sliding window applied. Committed rows (``committed`` None; slot j holds position j): the
+        causal slots within W positions. Rows of a draft (their positions are not their slots): as
+        the references train a sliding head (speculators' TTT masks), the committed rows within W
+        of the draft's root (the last of the ``committed`` slots) and every drafted slot their
+        ``mask`` allows, however deep it is."""
+        slot = torch.arange(start + t, device=self.device)
+        row = torch.arange(start, start + t, device=self.device).unsqueeze(1)
+        seen = mask.to(self.device) if mask is not None else slot <= row
+        window = self.config.sliding_window
+        if window is None:
+            return seen
+        if committed is None:
+            return seen & (slot > row - window)
+        return seen & (slot >= committed - window)  # drafted slots lie above the committed ones
+
+    @torch.inference_mode()
+    def forward_rows(self, embeds: Tensor, features: Tensor, buffer: KVCache, positions: Tensor, rows: RowSlots,
+                     logit_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """A pass over rows of several sequences (lanes of a :class:`~quickdraft.cache.KVPool`),
+        each row seeing exactly the slots ``rows`` lists (its window already applied): keys and
+        values go to ``buffer``'s next slots (the pool's staging). Returns (logits [n, Vd] float32
+        of ``logit_rows``, h [T, H]); every row bitwise what :meth:`forward` computes for it alone."""
+        t = embeds.shape[0]
+        start, _ = buffer.reserve(t)
+        step = Step(positions=positions, start=start, mask=None, cache=buffer, tree=True, row_slots=rows.slots,
+                    slot_pos=rows.slot_pos)
+        attn = self.midlayer.self_attn
+        window, attn.window = attn.window, None
+        try:
+            h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
+        finally:
+            attn.window = window
+        buffer.advance(t)
+        logits, state = self.output(h, logit_rows)
         return logits.float(), state
 
     # ------------------------------------------------------------------ training
