@@ -112,6 +112,14 @@ class DraftPass(ABC):
         each lane then holds its rows as its own pass would have left them."""
 
 
+def begin_together(asks: Sequence[DraftPass]) -> KVPool:
+    """The pool ``asks`` share (as the engine groups them), its staging slots made ready for their rows."""
+    pool = asks[0].pool
+    assert pool is not None and all(a.pool is pool for a in asks)
+    pool.begin_pass(sum(a.rows for a in asks))
+    return pool
+
+
 def run_passes(asks: Sequence[DraftPass]) -> list[PassOutput]:
     """Each ask's output: one ask alone, several (on lanes of one pool) as one pass; each with its
     equal share of the pass's seconds."""

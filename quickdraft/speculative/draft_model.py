@@ -52,7 +52,15 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import ALONE, Drafter, DraftPass, PassLoad, PassOutput, Steps
+from quickdraft.speculative.base import (
+    ALONE,
+    Drafter,
+    DraftPass,
+    PassLoad,
+    PassOutput,
+    Steps,
+    begin_together,
+)
 from quickdraft.speculative.verify import Draft
 from quickdraft.speculative.vocab import DraftVocab
 from quickdraft.tokenizer import Tokenizer
@@ -105,10 +113,8 @@ class ModelPass(DraftPass):
     def together(cls, asks: Sequence[ModelPass]) -> list[PassOutput]:
         """The asks' rows as ONE pass of the model over the pool's staging slots (each row sees its
         lane's slots, then its own rows of the pass); each lane then keeps its rows."""
-        pool, model = asks[0].pool, asks[0].model
-        assert pool is not None and all(a.pool is pool for a in asks)
+        pool, model = begin_together(asks), asks[0].model
         device = pool.buffer.k.device
-        pool.begin_pass(sum(a.rows for a in asks))
         slots: list[Tensor] = []
         positions: list[Tensor] = []
         held: dict[int, Tensor] = {}

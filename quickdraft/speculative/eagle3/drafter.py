@@ -65,7 +65,14 @@ from quickdraft.sampling import (
     process_logits,
     sample_at,
 )
-from quickdraft.speculative.base import Drafter, DraftPass, PassOutput, Steps, run_alone
+from quickdraft.speculative.base import (
+    Drafter,
+    DraftPass,
+    PassOutput,
+    Steps,
+    begin_together,
+    run_alone,
+)
 from quickdraft.speculative.eagle3.head import Eagle3Head
 from quickdraft.speculative.policy import TargetCost
 from quickdraft.speculative.tree import DraftTree
@@ -136,10 +143,8 @@ class HeadPass(DraftPass):
         """The asks' rows as ONE pass of the head over the pool's staging slots: each row sees the
         slots of its lane and of its own ask's rows that it sees alone (:meth:`Eagle3Head.visible`),
         in the same order; each lane then keeps its rows, as its own pass would have appended them."""
-        pool, head = asks[0].pool, asks[0].head
-        assert pool is not None and all(a.pool is pool for a in asks)
+        pool, head = begin_together(asks), asks[0].head
         device = pool.buffer.k.device
-        pool.begin_pass(sum(a.rows for a in asks))
         slots: list[Tensor] = []
         positions: list[Tensor] = []
         staged: list[Tensor] = []  # each ask's rows in the pass
