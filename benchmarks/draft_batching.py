@@ -40,9 +40,10 @@ from quickdraft.speculative.eagle3.io import build_head
 
 def random_head_drafter(llm: LLM, mode: str) -> Eagle3Drafter:
     """A random EAGLE-3 head shaped like one layer of the target, a 32k draft vocabulary."""
-    head = build_head(Eagle3Config.for_target(llm.model.config, draft_vocab_size=32000), llm.model)
+    target = llm.target.model
+    head = build_head(Eagle3Config.for_target(target.config, draft_vocab_size=32000), target)
     init_head_weights(head, torch.Generator().manual_seed(0))
-    return Eagle3Drafter(head, llm.model, mode=mode, policy=False)
+    return Eagle3Drafter(head, target, mode=mode, policy=False)
 
 
 def run(engine: Engine, drafters: list[Drafter], prompts: list[list[int]], params: SamplingParams, k: int) -> dict[str, float]:

@@ -204,6 +204,9 @@ class Generation:
     # prompt before it takes what is computed (Engine.add); None once it has.
     follows: Generation | None = None
     waits_for: int = 0
+    # The first token, out before its drafter read the prompt: the next step starts the drafter
+    # (Engine._start_drafter) so a drafter's prompt read is not in the time to first token.
+    drafter_due: torch.Tensor | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -401,7 +404,11 @@ class Engine:
         if gen.follows is not None:  # it never started: its lane holds what it held before
             return
         held = np.concatenate([gen.req.prompt_ids, np.asarray(gen.req.output, dtype=np.int64)])
-        self.prefix_cache.release(held, gen.cache, gen.drafter)
+        drafter = gen.drafter
+        if drafter is not None and gen.drafter_due is not None:  # it never read the prompt
+            drafter.reset()
+            drafter = None
+        self.prefix_cache.release(held, gen.cache, drafter)
 
     def step(self) -> list[StepResult]:
         """One target pass over every running, unfinished generation: what each emitted (a prompt
@@ -440,6 +447,13 @@ class Engine:
         several generations share the pass."""
         gens = [g for g in self.running if not g.finished]
         self._tell_load(gens)
+        parts: list[_Part | StepResult] = []
+        for g in [g for g in gens if g.drafter_due is not None]:
+            try:
+                self._start_drafter(g)
+            except Exception as exc:  # this generation's drafter failed
+                parts.append((g, exc))
+                gens.remove(g)
         decoding = [g for g in gens if not g.prefilling]
         prefilling = [g for g in gens if g.prefilling]
         alone = len(gens) == 1
@@ -449,7 +463,6 @@ class Engine:
             k_cap = DRAFT_WHILE_PREFILLING
         else:
             k_cap = PASS_ROWS // len(decoding) - 1
-        parts: list[_Part | StepResult] = []
         left = PASS_ROWS
         ks = [self._budget(g, min(g.num_draft, k_cap)) for g in decoding]
         # every drafter's proposal, the passes of drafters on one draft model's lanes run together
@@ -638,18 +651,24 @@ class Engine:
             gen.features.append(rows)
         if gen.prefilling:
             return None
-        drafter = gen.drafter
-        if drafter is not None:
-            drafter.prefill(req.prompt, req.params, cached=gen.cached)  # features: the computed rows only
-            if gen.features:
-                drafter.feed(torch.cat(gen.features) if len(gen.features) > 1 else gen.features[0])
-        gen.features = []
         token = self._choose(req, self._process(req, logits, _NO_DRAFT), [len(req.prompt_ids)])  # [1]
         req.stats.t_first = time.perf_counter()
-        step = self._emit(req, token, logits)
-        if drafter is not None:
-            drafter.commit(token, 0)
-        return step
+        if gen.drafter is not None:
+            gen.drafter_due = token  # its prompt read waits for the next step: the first token goes out first
+        return self._emit(req, token, logits)
+
+    @staticmethod
+    def _start_drafter(gen: Generation) -> None:
+        """The drafter of a generation whose first token is out reads its prompt (and the features of
+        the computed rows) and the first token."""
+        drafter, req, token = gen.drafter, gen.req, gen.drafter_due
+        assert drafter is not None and token is not None
+        gen.drafter_due = None
+        drafter.prefill(req.prompt, req.params, cached=gen.cached)  # features: the computed rows only
+        if gen.features:
+            drafter.feed(torch.cat(gen.features) if len(gen.features) > 1 else gen.features[0])
+        gen.features = []
+        drafter.commit(token, 0)
 
     def _start(self, prompt_ids: Sequence[int], params: SamplingParams, drafter: Drafter | None) -> _Request:
         n = len(prompt_ids)

@@ -241,6 +241,40 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(model: LoadedMo
         assert got[g] == alone(model, r)
 
 
+def test_the_first_token_goes_out_before_the_drafter_reads_the_prompt(model: LoadedModel) -> None:
+    """A drafter's prompt read (a draft model reads the whole prompt) is not in the time to first
+    token: the step that emits the first token leaves the drafter untouched and the next step starts
+    it. A request that ends at its first token leaves its drafter reset and no drafter state to the
+    prefix cache: the same prompt again with the same drafter equals its cold answer."""
+    vocab = model.config.vocab_size
+    drafter = DraftModelDrafter(model.model, vocab, eager=True)
+    engine = Engine(model.model, model.tokenizer, prefix_cache=PrefixCache(64 << 20))
+    req = Request(model.tokenizer.encode(TEXTS[3]), SamplingParams(max_tokens=12, ignore_eos=True), "draft", 3)
+    gen = engine.add(req.prompt, req.params, drafter, req.k)
+    got: list[int] = []
+    while not got:
+        for _, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got += step.token_ids
+    assert len(got) == 1 and drafter.cache.length == 0 and drafter.pending_count() == 0
+    while not gen.finished:
+        for _, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got += step.token_ids
+        assert drafter.cache.length > 0  # started by the step after the first token
+    engine.remove(gen)
+    assert got == alone_with(model, req, DraftModelDrafter(model.model, vocab, eager=True), req.k)
+    one = Request(model.tokenizer.encode(TEXTS[0]), SamplingParams(max_tokens=1), "draft", 3)
+    first = engine.add(one.prompt, one.params, drafter, one.k)
+    while not first.finished:
+        engine.step()
+    engine.remove(first)
+    assert drafter.cache.length == 0  # reset: it never read that prompt
+    again = Request(one.prompt, SamplingParams(max_tokens=10, ignore_eos=True), "draft", 3)
+    assert [t for s in engine.generate(again.prompt, again.params, drafter, again.k) for t in s.token_ids] == \
+        alone_with(model, again, DraftModelDrafter(model.model, vocab, eager=True), again.k)
+
+
 def test_rows_of_several_sequences_in_one_pass_equal_each_alone(model: LoadedModel) -> None:
     """Below the engine: one pass over a chain of sequence A, a decode row of B and a tree of C
     (each after its own context in its own lane) gives bitwise each sequence's logits and keys /
