@@ -58,6 +58,9 @@ def test_bandwidth_probe_is_kept_and_remeasured_when_stale(tmp_path: Path) -> No
     entries[key]["measured"] = 0  # stale: measured again
     path.write_text(json.dumps(entries))
     assert read_bandwidth(1, path) != 123.0
+    older = key.rsplit("|probe=", 1)[0]  # what a probe that measured differently kept
+    path.write_text(json.dumps({older: {"measured": 4e9, "gbs": 123.0}}))
+    assert read_bandwidth(1, path) != 123.0 and key in json.loads(path.read_text())
     path.write_text("not json")  # damaged: measured again, file repaired
     assert read_bandwidth(1, path) is not None and key in json.loads(path.read_text())
     assert torch.get_num_threads() >= 1

@@ -667,6 +667,9 @@ double read_bandwidth(int64_t bytes, int64_t nthreads, int64_t repeats) {
       const int64_t a = n * t / T / 4 * 4, b = n * (t + 1) / T / 4 * 4;
       __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;
       for (int64_t i = a; i < b; i += 4) {
+        // odd repeats also prefetch 2 KB ahead, as the GEMM does: on AMD Zen 1 the hardware
+        // prefetcher alone streams ~10% below what the decode passes reach (11.6 vs 12.8 GB/s)
+        if (r % 2 == 1) _mm_prefetch(reinterpret_cast<const char*>(&buf[i + 64]), _MM_HINT_T0);
         x0 = _mm256_add_epi64(x0, _mm256_load_si256(&buf[i]));
         x1 = _mm256_add_epi64(x1, _mm256_load_si256(&buf[i + 1]));
         x2 = _mm256_add_epi64(x2, _mm256_load_si256(&buf[i + 2]));
@@ -683,7 +686,9 @@ double read_bandwidth(int64_t bytes, int64_t nthreads, int64_t repeats) {
 }
 
 void register_ops(pybind11::module& m) {
-  m.def("read_bandwidth", &read_bandwidth, "streaming-read GB/s of nthreads threads over a buffer of bytes (best of repeats)",
+  m.def("read_bandwidth", &read_bandwidth,
+        "streaming-read GB/s of nthreads threads over a buffer of bytes (best of repeats, every other one with "
+        "software prefetch)",
         pybind11::arg("bytes"), pybind11::arg("num_threads"), pybind11::arg("repeats") = 3);
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row (fp32)", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"));
