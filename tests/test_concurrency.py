@@ -107,6 +107,16 @@ def requests(model: LoadedModel, n: int) -> list[Request]:
     return out
 
 
+def run_to_end(engine: Engine, got: dict[Generation, list[int]]) -> None:
+    """Step ``engine`` until nothing runs, adding each generation's tokens to ``got``."""
+    while engine.running:
+        for gen, step in engine.step():
+            assert not isinstance(step, Exception), step
+            got[gen] += step.token_ids
+            if step.finished:
+                engine.remove(gen)
+
+
 def alone(model: LoadedModel, req: Request) -> list[int]:
     engine = Engine(model.model, model.tokenizer)
     drafter = make_drafter(req.drafter, model)
@@ -199,12 +209,7 @@ def test_a_prefix_running_in_another_lane_is_copied_and_equals_cold(model: Loade
     assert gen_b.cached == shared >= len(system)
     assert engine.prefix_cache.stats.from_running == 1
     got[gen_b] = []
-    while engine.running:
-        for gen, step in engine.step():
-            assert not isinstance(step, Exception), step
-            got[gen] += step.token_ids
-            if step.finished:
-                engine.remove(gen)
+    run_to_end(engine, got)
     assert got[gen_a] == alone(model, a)
     assert got[gen_b] == alone(model, b)
 
@@ -228,12 +233,7 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(model: LoadedMo
     engine.remove(leaving)
     assert len(engine._free) == 1 and engine.running == gens
     got: dict[Generation, list[int]] = {g: [] for g in gens}
-    while engine.running:
-        for gen, step in engine.step():
-            assert not isinstance(step, Exception), step
-            got[gen] += step.token_ids
-            if step.finished:
-                engine.remove(gen)
+    run_to_end(engine, got)
     shared = next(i for i, (x, y) in enumerate(zip(same, reqs[2].prompt, strict=False)) if x != y)
     assert [g.cached for g in gens] == [0, len(same) - 1, shared, 0]  # computed once, copied twice
     assert engine.prefix_cache.stats.from_running == 2

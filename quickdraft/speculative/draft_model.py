@@ -86,7 +86,6 @@ def check_draft_confidence(p: float) -> None:
         raise QuickdraftError(f"--draft-confidence must be at least 0 (0: off) and below 1, got {p}")
 
 
-
 @dataclass(frozen=True, eq=False)
 class ModelPass(DraftPass):
     """One pass of a draft model: read ``ids`` [t] into ``cache`` at ``positions`` [t] (None: at
