@@ -9,9 +9,16 @@ Worked example (chain speculation, k = 3)::
     before verify:  length = 10   slots 0..9 hold the context
     verify pass:    writes slots 10..13 for [last, d0, d1, d2]; length = 14
     verdict n = 1:  keep last + d0 -> truncate(12); slots 12, 13 are dead and will be overwritten
+
+Models with linear-attention layers (Gated DeltaNet: qwen3_5, qwen3_next) also carry a recurrent
+state per sequence, which no slot holds: :class:`HybridCache` keeps each row's state of the last
+pass, so rollback (``truncate``, ``compact``) stays a pointer move within it, and checkpoints at
+every ``STATE_EVERY``-th position for the prefix cache.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +57,39 @@ def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
     d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [..., D/32, 1]
     q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
     return (q * d).reshape(*lead, nbytes // Q8_BYTES * Q8_BLOCK)
+
+
+State = tuple[torch.Tensor, torch.Tensor]  # a linear-attention layer's (conv window [C, K-1], matrix [Hv, Dk, Dv])
+
+
+@dataclass
+class CacheSnapshot:
+    """A cache's first ``length`` slots (and, for a :class:`HybridCache`, its recurrent states at the
+    lengths in ``states``), copied to host memory or viewing a live cache."""
+
+    k: torch.Tensor  # [L, Hkv, n, D]
+    v: torch.Tensor
+    states: dict[int, list[State]] | None = None  # None: no recurrent layers (any length restores)
+    nbytes: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not self.nbytes:
+            self.nbytes = _nbytes([self.k, self.v]) + sum(_nbytes([t for st in s for t in st]) for s in (self.states or {}).values())
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+    def point(self, m: int) -> int:
+        """The longest prefix of at most ``m`` tokens this snapshot can restore."""
+        m = min(m, self.length)
+        if self.states is None:
+            return m
+        return max([n for n in self.states if n <= m], default=0)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class KVCache:
@@ -142,27 +182,39 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def rollback_point(self, m: int) -> int:
+        """The longest prefix of at most ``m`` slots that :meth:`truncate` (or a :meth:`snapshot` of
+        this cache) can keep: any, for keys and values alone."""
+        return max(0, min(m, self.length))
+
+    def continue_from(self, source: KVCache, row: int) -> None:
+        """After :meth:`KVPool.keep` appended rows of ``source``'s last pass to this cache, its state
+        is that after pass row ``row``: nothing to do where keys and values are all of it."""
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes in every layer."""
         num_layers, num_kv_heads, _, head_dim = self.k.shape
         return 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
 
-    def snapshot(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the first ``n`` slots' keys and values, ``[L, Hkv, n, D]`` each, on the host
-        (a prefix cache keeps it while this cache serves other sequences)."""
+    def snapshot(self, n: int, copy: bool = True) -> CacheSnapshot:
+        """The first ``n`` slots' keys and values, ``[L, Hkv, n, D]`` each: a copy in host memory (a
+        prefix cache keeps it while this cache serves other sequences), or (``copy=False``) views of
+        this cache, to :meth:`restore` into another at once."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot snapshot {n} slots of a cache of length {self.length}")
-        return self.k[:, :, :n].to("cpu", copy=True), self.v[:, :, :n].to("cpu", copy=True)
+        k, v = self.k[:, :, :n], self.v[:, :, :n]
+        if copy:
+            k, v = k.to("cpu", copy=True), v.to("cpu", copy=True)
+        return CacheSnapshot(k, v)
 
-    def restore(self, kv: tuple[torch.Tensor, torch.Tensor], n: int) -> None:
+    def restore(self, snap: CacheSnapshot, n: int) -> None:
         """Load the first ``n`` slots of a :meth:`snapshot` and truncate after them: the cache is then
         bitwise the state that computed the snapshot had after its first ``n`` tokens."""
-        k, v = kv
-        if not 0 <= n <= k.shape[2] or n > self.max_len:
-            raise ValueError(f"cannot restore {n} slots from a snapshot of {k.shape[2]} into a cache of {self.max_len}")
-        self.k[:, :, :n] = k[:, :, :n]
-        self.v[:, :, :n] = v[:, :, :n]
+        if not 0 <= n <= snap.length or n > self.max_len or snap.point(n) != n:
+            raise ValueError(f"cannot restore {n} slots from a snapshot of {snap.length} into a cache of {self.max_len}")
+        self.k[:, :, :n] = snap.k[:, :, :n]
+        self.v[:, :, :n] = snap.v[:, :, :n]
         self.length = n
 
 
@@ -229,7 +281,202 @@ class KVPool:
         self.buffer.k[:, :, dst] = self.buffer.k.index_select(2, src)
         self.buffer.v[:, :, dst] = self.buffer.v.index_select(2, src)
         cache.advance(n)
+        if n:
+            cache.continue_from(self.buffer, int(staged[-1]))  # the pass's rows are its staging slots
 
     @property
     def nbytes(self) -> int:
         return self.buffer.max_len * self.buffer.bytes_per_token
+
+
+# A HybridCache keeps its recurrent state at every multiple of this many tokens it passes ...
+STATE_EVERY = 64
+MAX_CHECKPOINTS = 32  # ... the first this many (a shared system prompt, a preamble: what prefixes share)
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """The recurrent state of a model's linear-attention layers (Gated DeltaNet)."""
+
+    layers: int  # linear-attention layers
+    conv_channels: int  # the short convolution's channels (q, k and v)
+    conv_width: int  # inputs it remembers: kernel size - 1
+    heads: int  # value heads
+    key_dim: int
+    value_dim: int
+
+    def zeros(self, device: torch.device | str, dtype: torch.dtype) -> list[State]:
+        """The state of the empty prefix."""
+        return [(torch.zeros(self.conv_channels, self.conv_width, dtype=dtype, device=device),
+                 torch.zeros(self.heads, self.key_dim, self.value_dim, dtype=dtype, device=device))
+                for _ in range(self.layers)]
+
+
+class HybridCache(KVCache):
+    """Keys and values of a hybrid model's attention layers, and the recurrent state of its
+    linear-attention layers, which no slot holds.
+
+    A pass records every row's state per layer (:meth:`begin_rows`, :meth:`record`); each row
+    continues its parent's (the pass row before it on its path, or the state at the pass's start).
+    Rolling back is then a pointer move, as for keys and values: :meth:`truncate` to a length the
+    last pass reached along a chain (or its start), :meth:`compact` to a tree path's last row,
+    :meth:`continue_from` to a row of a :class:`KVPool` pass. Further back the state is known only
+    at the checkpoints (every STATE_EVERY tokens) and at 0: :meth:`rollback_point` says where.
+    States are never changed in place, so rows, checkpoints and snapshots share tensors freely.
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: KVType,
+        device: torch.device | str, shape: RecurrentShape, state_dtype: torch.dtype,
+    ) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, max_len, dtype, device)
+        self.shape, self.state_dtype = shape, state_dtype
+        self._clear_states()
+
+    def _clear_states(self) -> None:
+        self._base: list[State] | None = None  # the state at _base_len (None: zeros)
+        self._base_len = 0
+        self._base_known = True  # False: a pool's buffer, whose rows continue their lanes' states
+        self._parents: list[int] = []  # the last pass's rows' parents (-1: the state at _pass_start) ...
+        self._pass_start = 0
+        self._rows: list[list[State]] = []  # ... and their states, per layer
+        self.checkpoints: dict[int, list[State]] = {}
+
+    def region(self, base: int, length: int) -> HybridCache:
+        view = super().region(base, length)
+        assert isinstance(view, HybridCache)
+        view.shape, view.state_dtype = self.shape, self.state_dtype
+        view._clear_states()
+        return view
+
+    # -------------------------------------------------------------- a pass
+
+    def begin_rows(self, parents: list[int]) -> None:
+        """A pass over ``len(parents)`` rows starts at slot ``length``: row i continues the state
+        of row ``parents[i]`` (< i), or -1: the state at ``length``."""
+        if self._parents:  # the previous pass left no verdict (a prefill's chunks): settle it
+            self._settle(self.length, strict=False)
+        self._pass_start, self._parents = self.length, list(parents)
+        self._rows = []
+
+    def state(self, layer: int) -> State:
+        """Linear-attention layer ``layer``'s state at the start of the current pass."""
+        if not self._base_known:
+            raise QuickdraftError("this cache's recurrent state is unknown (a pool buffer's rows continue their lanes')")
+        if self._base is None:
+            self._base = self.shape.zeros(self.k.device, self.state_dtype)
+        return self._base[layer]
+
+    def record(self, layer: int, states: list[State]) -> None:
+        """The states after each row of the current pass, for the next linear-attention layer in turn."""
+        assert layer == len(self._rows) and len(states) == len(self._parents)
+        self._rows.append(states)
+
+    def row_states(self, row: int) -> list[State]:
+        return [layer[row] for layer in self._rows]
+
+    # -------------------------------------------------------------- moving the state
+
+    def _chain_end(self, n: int) -> int | None:
+        """The last pass's row whose state is the one after ``n`` tokens, if its rows up to it are a
+        chain from the pass's start; -1: the start itself; None: none."""
+        j = n - self._pass_start - 1
+        if self._parents and -1 <= j < len(self._parents) and len(self._rows) == self.shape.layers \
+                and all(self._parents[i] == i - 1 for i in range(j + 1)):
+            return j
+        return None
+
+    def _state_at(self, n: int) -> tuple[bool, list[State] | None]:
+        """(found, the state after ``n`` tokens) from what the cache holds."""
+        j = self._chain_end(n)
+        if j is not None and j >= 0:
+            return True, self.row_states(j)
+        if self._base_known and n == (self._pass_start if self._parents else self._base_len):
+            return True, self._base
+        if n in self.checkpoints:
+            return True, self.checkpoints[n]
+        return n == 0, None
+
+    def _settle(self, n: int, strict: bool = True) -> None:
+        """Make the state at ``n`` the base (checkpointing the pass's rows at STATE_EVERY multiples)."""
+        found, states = self._state_at(n)
+        if not found and strict:
+            raise QuickdraftError(
+                f"cannot roll a recurrent state back to {n} tokens: this cache holds it only at "
+                f"{self.rollback_point(n)} (the last pass's rows and every {STATE_EVERY}th token)"
+            )
+        if self._parents:
+            for j in range(len(self._parents)):
+                at = self._pass_start + j + 1
+                if at <= n and at % STATE_EVERY == 0 and self._chain_end(at) == j:
+                    self._checkpoint(at, self.row_states(j))
+        self._set_base(states if found else None, n, known=found)
+
+    def _set_base(self, states: list[State] | None, n: int, known: bool = True) -> None:
+        self._base, self._base_len, self._base_known = states, n, known
+        self._parents, self._rows = [], []
+        self.checkpoints = {c: s for c, s in self.checkpoints.items() if c <= n}
+        if known and states is not None and n % STATE_EVERY == 0:
+            self._checkpoint(n, states)
+
+    def _checkpoint(self, n: int, states: list[State]) -> None:
+        if n > 0 and (n in self.checkpoints or len(self.checkpoints) < MAX_CHECKPOINTS):
+            self.checkpoints[n] = states
+
+    def rollback_point(self, m: int) -> int:
+        m = max(0, min(m, self.length))
+        known = [0, *self.checkpoints]
+        if self._parents:
+            chain = next((i for i, p in enumerate(self._parents) if p != i - 1), len(self._parents))
+            if len(self._rows) == self.shape.layers:
+                known += range(self._pass_start + 1, self._pass_start + chain + 1)
+            if self._base_known:
+                known.append(self._pass_start)
+        elif self._base_known:
+            known.append(self._base_len)
+        return max(n for n in known if n <= m)
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        self._settle(n)
+        self.length = n
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        if not self._parents or start != self._pass_start or len(self._rows) != self.shape.layers:
+            raise QuickdraftError("compact() keeps rows of the last pass; this cache has none from that start")
+        path = keep.tolist()
+        states = self.row_states(path[-1]) if path else self._base
+        super().compact(start, keep)
+        self._set_base(states, start + len(path), known=self._base_known or bool(path))
+
+    def continue_from(self, source: KVCache, row: int) -> None:
+        assert isinstance(source, HybridCache)
+        self._set_base(source.row_states(row), self.length)
+
+    def reset(self) -> None:
+        super().reset()
+        self._clear_states()
+
+    # -------------------------------------------------------------- copies
+
+    def snapshot(self, n: int, copy: bool = True) -> CacheSnapshot:
+        snap = super().snapshot(n, copy)
+        found, at_n = self._state_at(n)
+        states = {c: s for c, s in self.checkpoints.items() if c <= n}
+        if found:
+            states[n] = at_n if at_n is not None else self.shape.zeros(self.k.device, self.state_dtype)
+        if copy:
+            states = {c: [(a.to("cpu", copy=True), b.to("cpu", copy=True)) for a, b in s] for c, s in states.items()}
+        return CacheSnapshot(snap.k, snap.v, states)
+
+    def restore(self, snap: CacheSnapshot, n: int) -> None:
+        if snap.states is None:
+            raise ValueError("a snapshot without recurrent states cannot restore a hybrid model's cache")
+        super().restore(snap, n)
+        device = self.k.device
+        self.checkpoints = {}
+        for c, s in sorted(snap.states.items()):
+            if c < n and c % STATE_EVERY == 0:
+                self._checkpoint(c, [(a.to(device), b.to(device)) for a, b in s])
+        self._set_base([(a.to(device), b.to(device)) for a, b in snap.states[n]] if n else None, n)

@@ -88,6 +88,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scores scaled by this ** -0.5 (None: head_dim)
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dims of each head (phi3)
+    # Hybrid models (quickdraft/models/qwen3_5.py): layer_types "linear_attention" layers are Gated
+    # DeltaNet (a short causal convolution, then the gated delta rule over a recurrent state).
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    attn_output_gate: bool = False  # q_proj also yields a gate: attention output * sigmoid(gate)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -104,7 +112,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face ``config.json``."""
-        d = _llama4_text_config(d)
+        d = _text_config(_llama4_text_config(d))
         model_type = d.get("model_type")
         if not model_type:
             raise QuickdraftError("config.json has no 'model_type'; is this a Hugging Face model folder?")
@@ -132,6 +140,7 @@ class ModelConfig:
             cfg.update(_moe_fields(str(model_type), d, int(d["num_hidden_layers"])))
             cfg.update(_gemma3_fields(str(model_type), d))
             cfg.update(_phi3_fields(str(model_type), d))
+            cfg.update(_qwen3_5_fields(str(model_type), d))
         except KeyError as exc:
             raise QuickdraftError(f"config.json lacks the field {exc}; the model folder looks incomplete") from None
         known = {f.name for f in fields(cls)}
@@ -232,6 +241,60 @@ def _llama4_text_config(d: dict[str, Any]) -> dict[str, Any]:
         return d
     tied = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return {**text, "model_type": "llama4", "tie_word_embeddings": tied}
+
+
+# Vision-language checkpoints whose text model quickdraft runs: model_type -> the text model's.
+_TEXT_MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of a model with a vision tower (Qwen3.5) runs as its text model: its text_config
+    (the weights carry a ``language_model.`` prefix, dropped at load), under the text model's type."""
+    model_type = d.get("model_type")
+    if model_type not in _TEXT_MODELS:
+        return d
+    text = d.get("text_config")
+    out = dict(text) if isinstance(text, dict) else dict(d)
+    if isinstance(text, dict) and "tie_word_embeddings" in d:
+        out.setdefault("tie_word_embeddings", d["tie_word_embeddings"])
+    return {**out, "model_type": _TEXT_MODELS[str(model_type)]}
+
+
+def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 text fields (transformers' Qwen3_5TextConfig defaults where a config.json leaves
+    one out): Gated DeltaNet layers between gated full-attention layers (every
+    ``full_attention_interval``-th), partial rotary, q/k norms."""
+    if model_type != "qwen3_5":
+        return {}
+    activation = d.get("hidden_act", "silu")
+    if activation != "silu":
+        raise QuickdraftError(f"Qwen3.5 with hidden_act {activation!r} is not supported (only silu)")
+    layers = int(d["num_hidden_layers"])
+    interval = int(d.get("full_attention_interval") or 4)
+    layer_types = d.get("layer_types") or [
+        LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)
+    ]
+    unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown or len(layer_types) != layers:
+        raise QuickdraftError(
+            f"config.json has layer_types {layer_types!r}; expected {layers} of {LINEAR_ATTENTION}/{FULL_ATTENTION}"
+        )
+    params = d.get("rope_parameters") or {}
+    if _rope_scaling(d) is not None:  # (mrope sections are plain RoPE for text: one position per token)
+        raise QuickdraftError(f"Qwen3.5 with rope_type {_rope_scaling(d)['rope_type']!r} is not supported (only default)")
+    return {
+        "head_dim": int(d.get("head_dim") or 256),
+        "layer_types": tuple(str(t) for t in layer_types),
+        "partial_rotary_factor": float(params.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 0.25),
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "linear_conv_kernel_dim": int(d.get("linear_conv_kernel_dim") or 4),
+        "linear_key_head_dim": int(d.get("linear_key_head_dim") or 128),
+        "linear_value_head_dim": int(d.get("linear_value_head_dim") or 128),
+        "linear_num_key_heads": int(d.get("linear_num_key_heads") or 16),
+        "linear_num_value_heads": int(d.get("linear_num_value_heads") or 32),
+    }
 
 
 _GEMMA3_FULL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig's defaults

@@ -9,7 +9,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "qwen3_5")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "llama4_text")  # mixture-of-experts families
 ARCHITECTURES: tuple[str, ...] = SUPPORTED + MOE  # what build_model accepts
 _MODULE = {"llama4_text": "llama4", "gemma3_text": "gemma3"}  # model_type -> module, where they differ

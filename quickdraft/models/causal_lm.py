@@ -118,7 +118,7 @@ class CausalLM(nn.Module):
             if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
                 raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
             step = Step(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
-                        slot_pos=rows.slot_pos)
+                        slot_pos=rows.slot_pos, lanes=rows.lanes)
         else:
             tree = mask is not None
             if mask is None:

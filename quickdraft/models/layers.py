@@ -245,10 +245,13 @@ class RowSlots:
     several sequences (:class:`~quickdraft.cache.KVPool`). ``slots[i]`` [n_i]: the cache slots row i
     attends to, in position order (its sequence's committed slots, then its own rows of this pass
     that it may see); ``slot_pos`` [start + T]: the position each slot holds. A row's result is
-    bitwise what the same row computes alone over its sequence's own cache (same keys, same order)."""
+    bitwise what the same row computes alone over its sequence's own cache (same keys, same order).
+    ``lanes`` [T]: each row's sequence cache, whose recurrent state (linear-attention layers,
+    :class:`~quickdraft.cache.HybridCache`) a row with no earlier row of its own in the pass continues."""
 
     slots: list[torch.Tensor]
     slot_pos: torch.Tensor
+    lanes: list[KVCache] | None = None
 
 
 @dataclass
@@ -268,6 +271,8 @@ class Step:
     # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
     # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
     slots: torch.Tensor | None = None
+    lanes: list[KVCache] | None = None  # a pass over several sequences: each row's own cache (RowSlots.lanes)
+    _parents: list[int] | None = field(default=None, repr=False)
     _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
         default_factory=dict, repr=False
     )
@@ -276,6 +281,23 @@ class Step:
     def __post_init__(self) -> None:
         if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
             self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
+
+    def row_parents(self) -> list[int]:
+        """For each row, the row of this pass just before it on its path (-1: none; it continues its
+        sequence's state before the pass): what a recurrent layer's state follows. Once per pass."""
+        if self._parents is None:
+            if self.slots is not None:
+                raise ValueError("recurrent layers do not run in static-shape passes")
+            if self.row_slots is None:  # a chain
+                self._parents = list(range(-1, self.positions.shape[0] - 1))
+            else:  # this pass's rows a row sees are its ancestors, then itself (slot order)
+                own = [idx[idx >= self.start] for idx in self.row_slots]
+                self._parents = [int(o[-2]) - self.start if o.numel() > 1 else -1 for o in own]
+        return self._parents
+
+    def state_cache(self, row: int) -> KVCache:
+        """The cache whose recurrent state row ``row`` continues when it has no parent in the pass."""
+        return self.lanes[row] if self.lanes is not None else self.cache
 
     def slot_positions(self) -> torch.Tensor:
         """Position of every cache slot this pass can see [start + T] (sliding windows and
@@ -347,8 +369,13 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
-        t = x.shape[0]
         q, k, v = self.project(x)
+        return self.o_proj(self.attend(q, k, v, layer, step))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """q/k norms, RoPE, this pass's keys and values into cache layer ``layer``, and attention:
+        ``[T, Hq * D]``, what o_proj takes."""
+        t = q.shape[1]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, step.positions), self.rope(k, step.positions)
@@ -360,15 +387,14 @@ class Attention(nn.Module):
             assert step.mask is not None
             n = step.mask.shape[1]
             out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
-            return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
+            return out.transpose(0, 1).reshape(t, self.nh * self.hd)
         if t <= BLOCKED_MAX_ROWS and cache.k.dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
             # decode / verify rows: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)
-            attended = ops.attend(
+            return ops.attend(
                 q, cache.k_layers[layer], cache.v_layers[layer], step.start, self.window or 0, self.scale,
                 slots, offsets, k, v,
-            )
-            return self.o_proj(attended)  # [T, Hq * D]
+            )  # [T, Hq * D]
         keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
         if t > BLOCKED_MAX_ROWS:
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
@@ -376,7 +402,7 @@ class Attention(nn.Module):
         else:
             rows = [self._attend_row(q, keys, values, step, i) for i in range(t)]
             out = rows[0] if t == 1 else torch.cat(rows, dim=1)
-        return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
+        return out.transpose(0, 1).reshape(t, self.nh * self.hd)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache under fp32 activations: widened exactly

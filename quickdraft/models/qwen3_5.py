@@ -1,0 +1,234 @@
+"""Qwen3.5 text decoder (HF ``model_type`` "qwen3_5" and its text model "qwen3_5_text"): a hybrid
+of Gated DeltaNet linear attention and gated full attention, as transformers' ``modeling_qwen3_5``.
+
+* ``layer_types``: most layers are "linear_attention" (:class:`GatedDeltaNet`), every
+  ``full_attention_interval``-th is "full_attention" (:class:`GatedAttention`);
+* Gated DeltaNet (Yang et al., arXiv 2412.06464): projections to q, k, v (through a short causal
+  depthwise convolution and SiLU), a gate z, a write strength beta = sigmoid(b) and a decay
+  g = -exp(A_log) * softplus(a + dt_bias) per value head; then per token, with q and k
+  L2-normalised and q scaled by Dk^-0.5, over a state S [Dk, Dv] per head:
+  ``S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q``,
+  then an RMSNorm of o gated by SiLU(z) and the output projection;
+* full attention: q_proj yields the query and a gate per head (output * sigmoid(gate) before
+  o_proj), q/k RMSNorm per head, RoPE on the first ``partial_rotary_factor`` of each head;
+* RMSNorms outside the linear-attention block multiply by ``1 + weight`` (Gemma's form).
+
+The recurrent state lives in a :class:`~quickdraft.cache.HybridCache` (keys and values only for the
+full-attention layers). Each row of a pass continues its parent's state (:meth:`Step.row_parents`:
+the row before it on a chain, its tree parent, or the state before the pass), computed one row at
+a time in the same operations whatever the pass holds, so a token's result is bitwise the same
+in a prefill chunk, a verification chain, a tree or a pass over several sequences.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.cache import HybridCache, RecurrentShape, State
+from quickdraft.config import LINEAR_ATTENTION, ModelConfig
+from quickdraft.models import causal_lm
+from quickdraft.models.gemma3 import GemmaRMSNorm
+from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
+from quickdraft.models.phi3 import PartialRope
+
+# checkpoint names -> the model's (a vision-language checkpoint's text model), and what is not loaded
+CHECKPOINT_RENAMES = ((re.compile(r"^model\.language_model\."), "model."),)
+CHECKPOINT_SKIP = ("model.visual.", "mtp.")
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output times SiLU of its gate (weight as is, not 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; ``index``: its place among the model's linear-attention layers
+    (its state in the cache)."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if self.nv % self.nk:
+            raise ValueError(f"linear_num_value_heads {self.nv} is not a multiple of linear_num_key_heads {self.nk}")
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.nv, bias=False)
+        self.in_proj_a = Linear(h, self.nv, bias=False)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = linear_group([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
+        parents = step.row_parents()
+        base: dict[int, State] = {}
+
+        def before(i: int) -> State:  # the state a row without a parent in the pass continues
+            if i not in base:
+                cache = step.state_cache(i)
+                assert isinstance(cache, HybridCache), "a hybrid model runs on its own make_cache()"
+                base[i] = cache.state(self.index)
+            return base[i]
+
+        # One row at a time, in the same shapes whatever the pass holds: torch computes exp, sigmoid
+        # and silu vectorised in the bulk of a tensor and scalar in its tail, so a row's result would
+        # otherwise depend on how many rows share its pass.
+        w = self.conv1d.weight[:, 0, :]  # [C, K]
+        a_scale = -self.A_log.float().exp()
+        rep = self.nv // self.nk
+        convs: list[torch.Tensor] = []
+        mats: list[torch.Tensor] = []
+        out = []
+        for i in range(t):
+            prev_conv, prev = (convs[parents[i]], mats[parents[i]]) if parents[i] >= 0 else before(i)
+            window = torch.cat([prev_conv, mixed[i].unsqueeze(1)], dim=1)  # [C, K]: the inputs along its path
+            convs.append(window[:, 1:])
+            conv = window[:, 0] * w[:, 0]
+            for j in range(1, self.kernel):
+                conv = conv + window[:, j] * w[:, j]
+            q, k, v = F.silu(conv).split([self.key_dim, self.key_dim, self.value_dim])
+            q = l2norm(q.view(self.nk, self.dk)).repeat_interleave(rep, dim=0) / (self.dk**0.5)  # [Hv, Dk]
+            k = l2norm(k.view(self.nk, self.dk)).repeat_interleave(rep, dim=0)
+            beta = b[i].sigmoid()  # [Hv]
+            decay = (a_scale * F.softplus(a[i].float() + self.dt_bias)).exp()
+            # the gated delta rule (never in place: states are shared with the cache's rows)
+            s = prev * decay[:, None, None]
+            remembered = (s * k[:, :, None]).sum(dim=-2)  # [Hv, Dv]
+            delta = (v.view(self.nv, self.dv) - remembered) * beta[:, None]
+            s = s + k[:, :, None] * delta[:, None, :]
+            mats.append(s)
+            o = (s * q[:, :, None]).sum(dim=-2)  # [Hv, Dv]
+            out.append(self.norm(o, z[i].view(self.nv, self.dv)).reshape(self.value_dim))
+        cache = step.cache
+        assert isinstance(cache, HybridCache)
+        cache.record(self.index, list(zip(convs, mats, strict=True)))
+        return self.out_proj(torch.stack(out))
+
+
+class GatedAttention(Attention):
+    """Full attention whose q_proj also yields a gate per head: o_proj(attention * sigmoid(gate))."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope) -> None:
+        super().__init__(cfg, rope)
+        self.q_proj = Linear(cfg.hidden_size, 2 * self.nh * self.hd, bias=cfg.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = linear_group([self.q_proj, self.k_proj, self.v_proj], x)
+        qg = qg.view(t, self.nh, 2 * self.hd)
+        q = qg[..., : self.hd].transpose(0, 1)  # [Hq, T, D]
+        gate = qg[..., self.hd :].reshape(t, self.nh * self.hd)
+        k = k.view(t, self.nkv, self.hd).transpose(0, 1)
+        v = v.view(t, self.nkv, self.hd).transpose(0, 1)
+        return self.o_proj(self.attend(q, k, v, layer, step) * torch.sigmoid(gate))
+
+
+class DecoderLayer(nn.Module):
+    """``index``: the layer's place among its kind (its KV layer, or its recurrent state)."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope, linear: bool, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = linear
+        if linear:
+            self.linear_attn = GatedDeltaNet(cfg, index)
+        else:
+            self.self_attn = GatedAttention(cfg, rope)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, step) if self.linear else self.self_attn(h, self.index, step)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _linear_layers(cfg: ModelConfig) -> list[bool]:
+    assert cfg.layer_types is not None
+    return [t == LINEAR_ATTENTION for t in cfg.layer_types]
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = PartialRope(cfg, max_len)
+        linear = _linear_layers(cfg)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rope, lin, sum(1 for j in range(i) if linear[j] == lin)) for i, lin in enumerate(linear)
+        )
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(causal_lm.CausalLM):
+    """``model(ids, cache) -> (logits, captured)``, the interface of :class:`causal_lm.CausalLM`, on
+    a :class:`HybridCache`."""
+
+    backbone = _Backbone
+
+    def recurrent_shape(self) -> RecurrentShape:
+        cfg = self.config
+        return RecurrentShape(
+            layers=sum(_linear_layers(cfg)),
+            conv_channels=2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+            conv_width=cfg.linear_conv_kernel_dim - 1,
+            heads=cfg.linear_num_value_heads,
+            key_dim=cfg.linear_key_head_dim,
+            value_dim=cfg.linear_value_head_dim,
+        )
+
+    def make_cache(self, max_len: int) -> HybridCache:
+        cfg = self.config
+        attention_layers = cfg.num_hidden_layers - sum(_linear_layers(cfg))
+        return HybridCache(attention_layers, cfg.num_key_value_heads, cfg.head_dim, max_len,
+                           self.kv_dtype or self.dtype, self.device, self.recurrent_shape(), self.dtype)
+
+    def _layers(self, x: torch.Tensor, step: Step, capture: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = step.cache
+        if not isinstance(cache, HybridCache):
+            raise ValueError("a hybrid model runs on caches from its own make_cache()")
+        cache.begin_rows(step.row_parents())
+        return super()._layers(x, step, capture)
+
+    def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision
+        tower, no multi-token-prediction layers."""
+        for name, tensor in tensors:
+            for pattern, repl in CHECKPOINT_RENAMES:
+                name = pattern.sub(repl, name)
+            if not name.startswith(CHECKPOINT_SKIP):
+                yield name, tensor
