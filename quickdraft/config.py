@@ -281,8 +281,9 @@ def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
             f"config.json has layer_types {layer_types!r}; expected {layers} of {LINEAR_ATTENTION}/{FULL_ATTENTION}"
         )
     params = d.get("rope_parameters") or {}
-    if _rope_scaling(d) is not None:  # (mrope sections are plain RoPE for text: one position per token)
-        raise QuickdraftError(f"Qwen3.5 with rope_type {_rope_scaling(d)['rope_type']!r} is not supported (only default)")
+    scaling = _rope_scaling(d)
+    if scaling is not None:  # (mrope sections are plain RoPE for text: one position per token)
+        raise QuickdraftError(f"Qwen3.5 with rope_type {scaling['rope_type']!r} is not supported (only default)")
     return {
         "head_dim": int(d.get("head_dim") or 256),
         "layer_types": tuple(str(t) for t in layer_types),

@@ -568,7 +568,8 @@ class Engine:
             slots += self.pool.visible(p.gen.lane, p.start, own)
             offset += p.rows
         positions = torch.cat([p.positions for p in parts])
-        rows = RowSlots(slots, self.pool.slot_positions(positions))
+        lanes = [p.gen.cache for p in parts for _ in range(p.rows)]  # (recurrent states: each row's sequence)
+        rows = RowSlots(slots, self.pool.slot_positions(positions), lanes)
         logit_rows = torch.cat([torch.arange(p.offset + p.logit_from, p.offset + p.rows, device=self.device)
                                 for p in parts])
         ids = torch.cat([p.ids for p in parts])

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import CacheSnapshot, KVCache
 from quickdraft.speculative.base import Drafter
 
 
@@ -91,7 +91,7 @@ class CachedSequence:
     """A stored sequence: its ids, the target's keys/values for them, and a drafter's state."""
 
     tokens: np.ndarray  # [n] int64
-    kv: tuple[torch.Tensor, torch.Tensor]  # [L, Hkv, n, D] each, host memory
+    kv: CacheSnapshot  # keys and values [L, Hkv, n, D] (and recurrent states), host memory
     drafter: weakref.ref | None  # the drafter whose state this is
     drafter_state: object | None
     nbytes: int
@@ -157,7 +157,7 @@ class PrefixCache:
         of several sequences gives a request the lane that holds the most)."""
         if not self.enabled:
             return 0
-        return common_prefix(self._working(cache).held, prompt, cache.length)
+        return cache.rollback_point(common_prefix(self._working(cache).held, prompt, cache.length))
 
     def stored_prefix(self, prompt: np.ndarray, cache: KVCache) -> int:
         """How many leading ``prompt`` ids :meth:`reuse` finds computed now in ``cache`` or a stored
@@ -182,16 +182,16 @@ class PrefixCache:
             return 0
         work = self._working(cache)
         limit = len(prompt) - 1  # the last prompt token is always run: its logits pick the next
-        m = common_prefix(work.held, prompt, min(limit, cache.length))
+        m = cache.rollback_point(common_prefix(work.held, prompt, min(limit, cache.length)))
         best, best_m = self._match(prompt, limit) if cache.copyable else (None, 0)
         lane, lane_m = None, 0
         for ids, other in running if cache.copyable else ():
-            n = common_prefix(ids, prompt, min(limit, other.length))
+            n = other.rollback_point(common_prefix(ids, prompt, min(limit, other.length)))
             if n > lane_m:
                 lane, lane_m = other, n
         if lane is not None and lane_m > max(m, best_m):
             self._store_working(cache)
-            cache.restore((lane.k, lane.v), lane_m)
+            cache.restore(lane.snapshot(lane_m, copy=False), lane_m)
             work.drafter = None  # that sequence's drafter state is its own
             work.held, m = prompt[:lane_m].copy(), lane_m
             self.stats.from_running += 1
@@ -235,7 +235,7 @@ class PrefixCache:
     def _match(self, prompt: np.ndarray, limit: int) -> tuple[CachedSequence | None, int]:
         best, best_m = None, 0
         for e in self.entries:
-            m = common_prefix(e.tokens, prompt, limit)
+            m = e.kv.point(common_prefix(e.tokens, prompt, limit))
             if m > best_m:
                 best, best_m = e, m
         return best, best_m
@@ -249,16 +249,21 @@ class PrefixCache:
             return
         tokens = work.held[:n]
         for e in self.entries:
-            if common_prefix(e.tokens, tokens) == n:  # already stored (maybe longer)
+            if common_prefix(e.tokens, tokens) == n and e.kv.point(n) == n:  # already stored (maybe longer)
                 e.last_used = next(self._tick)
                 return
         drafter = work.drafter() if work.drafter is not None else None
         state = drafter.snapshot() if drafter is not None else None
-        nbytes = n * cache.bytes_per_token + state_bytes(state)
+        if n * cache.bytes_per_token + state_bytes(state) > self.budget_bytes:
+            return
+        snap = cache.snapshot(n)
+        nbytes = snap.nbytes + state_bytes(state)
         if nbytes > self.budget_bytes:
             return
-        self.entries = [e for e in self.entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
-        entry = CachedSequence(tokens.copy(), cache.snapshot(n), work.drafter if state is not None else None,
+        # entries it extends are dropped (where it restores their whole length: recurrent states)
+        self.entries = [e for e in self.entries
+                        if common_prefix(e.tokens, tokens) < len(e.tokens) or snap.point(len(e.tokens)) < len(e.tokens)]
+        entry = CachedSequence(tokens.copy(), snap, work.drafter if state is not None else None,
                                state, nbytes, next(self._tick))
         self.entries.append(entry)
         self.stats.stored += 1

@@ -532,9 +532,9 @@ def test_forked_draft_models_propose_in_one_pass_per_round_bitwise_as_alone(
             tokens = torch.cat([drafts[i].tokens[:n], torch.tensor([11 + i])])
             p.commit(tokens, n)
             s.commit(tokens, n)
-            (pk, pv), ptok, ppos = p.snapshot()
-            (sk, sv), stok, spos = s.snapshot()
-            assert (ptok, ppos) == (stok, spos) and torch.equal(pk, sk) and torch.equal(pv, sv)
+            pkv, ptok, ppos = p.snapshot()
+            skv, stok, spos = s.snapshot()
+            assert (ptok, ppos) == (stok, spos) and torch.equal(pkv.k, skv.k) and torch.equal(pkv.v, skv.v)
     assert pooled[3].offset > 0  # its slots lag its positions
 
 

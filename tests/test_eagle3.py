@@ -599,9 +599,9 @@ def test_forked_heads_propose_in_one_head_pass_per_depth_bitwise_as_alone(
             for d in (p, s):
                 d.feed(fed)
                 d.commit(emitted, n)
-            (pk, pv), pf, ptok = p.snapshot()
-            (sk, sv), sf, stok = s.snapshot()
-            assert ptok == stok and torch.equal(pf, sf) and torch.equal(pk, sk) and torch.equal(pv, sv)
+            pkv, pf, ptok = p.snapshot()
+            skv, sf, stok = s.snapshot()
+            assert ptok == stok and torch.equal(pf, sf) and torch.equal(pkv.k, skv.k) and torch.equal(pkv.v, skv.v)
 
 
 def _first_child_path(draft: Any) -> list[int]:

@@ -41,7 +41,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import CacheSnapshot, KVCache, KVPool
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
@@ -131,7 +131,8 @@ class ModelPass(DraftPass):
         at = torch.cat(positions)
         last_rows = torch.stack([rows[-1] for rows in staged])
         ids = torch.cat([a.ids.to(device) for a in asks])
-        logits, _ = model(ids, pool.buffer, positions=at, rows=RowSlots(slots, pool.slot_positions(at, held)),
+        lanes = [a.cache for a in asks for _ in range(a.rows)]
+        logits, _ = model(ids, pool.buffer, positions=at, rows=RowSlots(slots, pool.slot_positions(at, held), lanes),
                           logit_rows=last_rows)
         for a, rows in zip(asks, staged, strict=True):
             pool.keep(a.lane, rows)
@@ -264,12 +265,12 @@ class DraftModelDrafter(Drafter):
     def pending_count(self) -> int:
         return len(self.pending)
 
-    def snapshot(self) -> tuple[tuple[Tensor, Tensor], list[int], list[int]]:
+    def snapshot(self) -> tuple[CacheSnapshot, list[int], list[int]]:
         n = self.cache.length
         return self.cache.snapshot(n), self.slot_tokens[:n], self.slot_positions[:n]
 
     def restore(self, state: object) -> None:
-        kv, tokens, positions = cast(tuple[tuple[Tensor, Tensor], list[int], list[int]], state)
+        kv, tokens, positions = cast(tuple[CacheSnapshot, list[int], list[int]], state)
         self.cache.restore(kv, len(tokens))
         self.slot_tokens, self.slot_positions = list(tokens), list(positions)
         self.pending, self._proposed = [], None

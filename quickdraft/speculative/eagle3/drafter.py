@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import CacheSnapshot, KVCache, KVPool
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots, prefill_chunks
@@ -300,14 +300,14 @@ class Eagle3Drafter(Drafter):
         buf[self.fed : self.fed + n] = hidden
         self.fed += n
 
-    def snapshot(self) -> tuple[tuple[Tensor, Tensor], Tensor, list[int]]:
+    def snapshot(self) -> tuple[CacheSnapshot, Tensor, list[int]]:
         """Head rows, features and ids held (a copy, on the host)."""
         feats = self.features[: self.fed].to("cpu", copy=True) if self.features is not None else torch.empty(0)
         return self.cache.snapshot(self.cache.length), feats, self.tokens[: self.fed + 1]
 
     def restore(self, state: object) -> None:
-        kv, feats, tokens = cast(tuple[tuple[Tensor, Tensor], Tensor, list[int]], state)
-        self.cache.restore(kv, kv[0].shape[2])
+        kv, feats, tokens = cast(tuple[CacheSnapshot, Tensor, list[int]], state)
+        self.cache.restore(kv, kv.length)
         self.features = feats.to(self.head.device, copy=True) if feats.numel() else None
         self.fed, self.tokens = int(feats.shape[0]), list(tokens)
         self._last, self._t_ready, self._last_row = None, 0.0, None
