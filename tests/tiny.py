@@ -71,6 +71,17 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         },
     },
     "phi3": {"sliding_window": None, "original_max_position_embeddings": 512},
+    # Gated DeltaNet layers with grouped value heads (2 q/k heads, 4 value heads), a full-attention
+    # layer between them, RoPE on a quarter of each head.
+    "qwen3_5_text": {
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    },
 }
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
@@ -130,8 +141,8 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
         bos_token_id=EOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=EOS_ID,
-        **_ARCH_DEFAULTS[model_type],
     )
+    fields.update(_ARCH_DEFAULTS[model_type])
     fields.update(overrides)
     return AutoConfig.for_model(model_type, **fields)
 

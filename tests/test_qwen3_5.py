@@ -1,0 +1,280 @@
+"""Qwen3.5, a hybrid model: Gated DeltaNet linear attention (a recurrent state per sequence) between
+gated full-attention layers.
+
+Logits equal transformers' (fp32) on tiny random models, from a text checkpoint and from a
+vision-language one; and the recurrent state goes through every path keys and values go through,
+bitwise: decode rows == pass rows, rollback to any row of the last pass (chains), a tree path kept
+by compact, checkpoints every 64 tokens (rollback and prefix reuse there, a clear error elsewhere),
+speculative greedy == plain with right / wrong / partly right chains, trees and n-grams, several
+sequences in one pass (each row continuing its own lane's state) == each alone, and the prefix
+cache warm == cold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_concurrency import alone, requests, together
+from test_prefix_cache import GREEDY, MB, run, same, tokens
+from test_spec import Case, check_scripted, make_case
+from test_tree import TreeOracle, generate
+from tiny import load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
+
+from quickdraft.cache import STATE_EVERY, HybridCache
+from quickdraft.config import ModelConfig
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.prefix_cache import PrefixCache
+from quickdraft.speculative.ngram import NGramDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LIN, FULL = "linear_attention", "full_attention"
+TEXT = (
+    "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i, i * i * i)\n"
+    "class Stack:\n    def push(self, x):\n        self.items.append(x)\n"
+)
+# tiny.py's qwen3_5_text (3 layers: linear, full, linear; grouped value heads) and a variant with
+# transformers' default layout (every 4th layer full), as many value as q/k heads, a tied head.
+CASES: dict[str, dict[str, Any]] = {
+    "hybrid": {},
+    "interval": {"num_hidden_layers": 4, "layer_types": None, "linear_num_value_heads": 2, "tie_word_embeddings": True},
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen3_5")
+    return {name: make_tiny_hf_model(root, "qwen3_5_text", seed=3, name=name, **over) for name, over in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def hybrid(folders: dict[str, Path]) -> LoadedModel:
+    return load_model(str(folders["hybrid"]), dtype="float32", max_context=256)
+
+
+def logits(loaded: LoadedModel, ids: list[int], cache: Any = None) -> torch.Tensor:
+    out, _ = loaded.model(torch.tensor(ids), cache if cache is not None else loaded.model.new_cache())
+    return out
+
+
+def states(cache: HybridCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [cache.state(i) for i in range(cache.shape.layers)]
+
+
+def same_states(a: HybridCache, b: HybridCache) -> bool:
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(states(a), states(b), strict=True))
+
+
+# ------------------------------------------------------------------------- against transformers
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers(folders: dict[str, Path], name: str) -> None:
+    loaded = load_model(str(folders[name]), dtype="float32", max_context=256)
+    ref = load_reference(folders[name])
+    assert loaded.config.layer_types == tuple(ref.config.layer_types)
+    ids = loaded.tokenizer.encode(TEXT)
+    assert len(ids) > 64  # a pass longer than the batch-invariant blocks, too
+    want = reference_logits(ref, ids)
+    got = logits(loaded, ids)
+    assert (got[:32] - want[:32]).abs().max() < 1e-4
+    cache = loaded.model.new_cache()  # decoded token by token: every step's state carried over
+    stepped = torch.cat([logits(loaded, [t], cache) for t in ids[:32]])
+    assert (stepped - want[:32]).abs().max() < 1e-4
+    # Further on, fp32 rounding in the recurrence grows with the position (the tied head's logits
+    # reach ~75 here): there quickdraft must be at least as close to the float64 computation as
+    # transformers' own fp32 run.
+    with torch.inference_mode():
+        exact = ref.double()(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    ours, theirs = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
+    assert ours <= max(theirs, 1e-4), (ours, theirs)
+
+
+def test_each_part_changes_the_logits(folders: dict[str, Path], hybrid: LoadedModel) -> None:
+    """The test above has power: zeroing the recurrent decay's bias, the conv or the attention
+    gate each moves the logits far beyond its tolerance."""
+    ids = hybrid.tokenizer.encode(TEXT)[:30]
+    base = logits(hybrid, ids)
+    layer0, layer1 = hybrid.model.model.layers[0], hybrid.model.model.layers[1]
+    for param in (layer0.linear_attn.dt_bias, layer0.linear_attn.conv1d.weight, layer1.self_attn.q_proj.weight):
+        saved = param.detach().clone()
+        with torch.no_grad():
+            param.mul_(0.5)
+        assert (logits(hybrid, ids) - base).abs().max() > 1e-2
+        with torch.no_grad():
+            param.copy_(saved)
+    assert torch.equal(logits(hybrid, ids), base)
+
+
+def test_vision_language_checkpoint_runs_its_text_model(tmp_path: Path, folders: dict[str, Path],
+                                                         hybrid: LoadedModel) -> None:
+    """A Qwen3.5 checkpoint as published (model_type "qwen3_5", text_config, ``model.language_model.``
+    names, a vision tower and MTP layers beside it) loads as the same text model."""
+    src = folders["hybrid"]
+    text = json.loads((src / "config.json").read_text())
+    folder = tmp_path / "vl"
+    write_tokenizer(folder)
+    config = {"model_type": "qwen3_5", "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    weights |= {"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(64, 128)}
+    save_file(weights, str(folder / "model.safetensors"))
+    vl = load_model(str(folder), dtype="float32", max_context=256)
+    assert vl.config.model_type == "qwen3_5" and vl.config.layer_types == (LIN, FULL, LIN)
+    ids = hybrid.tokenizer.encode(TEXT)[:40]
+    assert torch.equal(logits(vl, ids), logits(hybrid, ids))
+
+
+def test_unsupported_layer_types_are_refused() -> None:
+    d = {"model_type": "qwen3_5_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "layer_types": [LIN, "mamba"]}
+    with pytest.raises(QuickdraftError, match="layer_types"):
+        ModelConfig.from_hf_dict(d)
+
+
+# ------------------------------------------------------------------------- the recurrent state
+
+
+def test_rows_of_any_pass_are_bitwise_decoding(hybrid: LoadedModel) -> None:
+    ids = hybrid.tokenizer.encode(TEXT)[:40]
+    whole = logits(hybrid, ids)
+    cache = hybrid.model.new_cache()
+    stepped = torch.cat([logits(hybrid, [t], cache) for t in ids])
+    assert torch.equal(stepped, whole)
+    cache = hybrid.model.new_cache()
+    chunks = torch.cat([logits(hybrid, ids[s : s + 7], cache) for s in range(0, len(ids), 7)])
+    assert torch.equal(chunks, whole)
+
+
+def test_rollback_within_the_last_pass_and_to_checkpoints(hybrid: LoadedModel) -> None:
+    ids = hybrid.tokenizer.encode(TEXT * 2)[: STATE_EVERY + 20]
+    n = len(ids)
+    cache = hybrid.model.new_cache()
+    logits(hybrid, ids[:STATE_EVERY - 4], cache)  # passes [0, 60), [60, 72), [72, 84)
+    logits(hybrid, ids[STATE_EVERY - 4 : STATE_EVERY + 8], cache)
+    last = logits(hybrid, ids[STATE_EVERY + 8 :], cache)
+    assert cache.length == n
+    assert cache.rollback_point(n - 3) == n - 3  # a row of the last pass
+    assert cache.rollback_point(STATE_EVERY + 5) == STATE_EVERY  # the checkpoint (passed inside a pass)
+    assert cache.rollback_point(STATE_EVERY - 1) == 0
+    with pytest.raises(QuickdraftError, match="cannot roll a recurrent state back to 70 tokens"):
+        cache.truncate(70)
+    for keep in (STATE_EVERY + 8, n - 3, STATE_EVERY):  # the last pass's start, one of its rows, a checkpoint
+        cache.truncate(keep)
+        again = logits(hybrid, ids[keep:], cache)
+        assert torch.equal(again, last[keep - n :] if keep >= STATE_EVERY + 8 else again)
+        fresh = hybrid.model.new_cache()
+        hybrid.model.prefill(torch.tensor(ids[:keep]), fresh)  # in passes of at most 64 rows, as the engine
+        assert torch.equal(again, logits(hybrid, ids[keep:], fresh)), keep
+        assert same_states(cache, fresh)
+    # a snapshot restores at its checkpoints and its own length, nowhere else
+    snap = cache.snapshot(n)
+    assert sorted(snap.states or {}) == [STATE_EVERY, n] and snap.point(n - 1) == STATE_EVERY
+    other = hybrid.model.new_cache()
+    other.restore(snap, STATE_EVERY)
+    assert torch.equal(logits(hybrid, ids[STATE_EVERY:], other), again)
+    with pytest.raises(ValueError):
+        other.restore(snap, STATE_EVERY + 1)
+
+
+def test_tree_pass_and_compact_match_decoding_each_path(hybrid: LoadedModel) -> None:
+    """Each row of a tree pass continues its parent's state: its logits are plain decoding's of its
+    own path; compact() keeps a path's state, and the next pass continues from it."""
+    ids = hybrid.tokenizer.encode(TEXT)
+    prefix = ids[:12]
+    toks = [ids[12], 11, 12, 13, 14]
+    parents = [-1, 0, 0, 1, 3]  # rows [r, a, b, c, d]: a, b children of r; c of a; d of c
+    depth = [0, 1, 1, 2, 3]
+    n, start = len(toks), len(prefix)
+    mask = torch.zeros(n, start + n, dtype=torch.bool)
+    mask[:, :start] = True
+    for row in range(n):
+        node = row
+        while node != -1:
+            mask[row, start + node] = True
+            node = parents[node]
+    cache = hybrid.model.new_cache()
+    logits(hybrid, prefix, cache)
+    tree, _ = hybrid.model(torch.tensor(toks), cache, positions=torch.tensor([start + d for d in depth]), mask=mask)
+    paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 3, 4]}
+    for row, path in paths.items():
+        assert torch.equal(tree[row], logits(hybrid, prefix + [toks[r] for r in path])[-1]), row
+    with pytest.raises(QuickdraftError, match="cannot roll"):
+        cache.truncate(start + 3)  # rows 0..2 are not a chain: no state after 3 of them
+    cache.compact(start, torch.tensor([0, 1, 3]))
+    nxt = logits(hybrid, [15], cache)
+    assert torch.equal(nxt[0], logits(hybrid, prefix + [toks[0], toks[1], toks[3], 15])[-1])
+
+
+# ------------------------------------------------------------------------- speculation
+
+
+@pytest.fixture(scope="module")
+def case(hybrid: LoadedModel) -> Case:
+    return make_case(hybrid, TEXT[:60], 24)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "coin"])
+def test_scripted_drafters_match_plain_greedy(case: Case, kind: str, k: int) -> None:
+    check_scripted(case, kind, k)
+
+
+@pytest.mark.parametrize("shape", ["chain", "right_last", "right_varied", "wrong"])
+def test_tree_drafters_match_plain_greedy(case: Case, shape: str) -> None:
+    drafter = TreeOracle(case.truth, case.vocab, shape)
+    plain = generate(case.loaded, case.prompt, max_tokens=len(case.truth), ignore_eos=True)
+    got = generate(case.loaded, case.prompt, drafter, 8, max_tokens=len(case.truth), ignore_eos=True)
+    assert got.ids == case.truth == plain.ids and got.stats.drafted > 0
+    a, b = plain.engine.cache, got.engine.cache
+    assert isinstance(a, HybridCache) and isinstance(b, HybridCache) and a.length == b.length
+    assert torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length]) and same_states(a, b)
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_ngram_matches_plain_greedy(hybrid: LoadedModel, k: int) -> None:
+    prompt = tokens(5, 90, hybrid.config.vocab_size)  # repeats: the n-grams find matches
+    truth = generate(hybrid, prompt, max_tokens=30, ignore_eos=True).ids
+    run_ = Case(hybrid, prompt, truth).spec(NGramDrafter(max_ngram=3, min_ngram=1), k)
+    assert run_.ids == truth and run_.stats.drafted > 0
+
+
+def test_several_sequences_in_one_pass_equal_each_alone(hybrid: LoadedModel) -> None:
+    """Rows of four sequences (prompt chunks, chains, trees, a draft model's forks of this same
+    hybrid model) in one pass: each continues its own lane's state; every answer == alone."""
+    reqs = requests(hybrid, 5)
+    engine = Engine(hybrid.model, hybrid.tokenizer, max_sequences=3)
+    got = together(engine, hybrid, reqs)
+    for i, r in enumerate(reqs):
+        assert got[i] == alone(hybrid, r), f"request {i} ({r.drafter}) differs from its answer alone"
+
+
+def test_prefix_cache_warm_equals_cold(hybrid: LoadedModel) -> None:
+    """A conversation's next turn reuses everything (the state at the cache's end); an edit midway
+    reuses up to the checkpoint before it; each answer == a cold run's."""
+    vocab = hybrid.config.vocab_size
+    engine = Engine(hybrid.model, hybrid.tokenizer, prefix_cache=PrefixCache(64 * MB))
+    history = tokens(1, 100, vocab)
+    first = run(engine, history, None, 0, GREEDY)
+    same(first, run(Engine(hybrid.model, hybrid.tokenizer), history, None, 0, GREEDY))
+    turn = history + first.ids + tokens(2, 20, vocab)
+    warm = run(engine, turn, NGramDrafter(), 4, GREEDY)
+    assert warm.stats.cached_tokens == len(history) + len(first.ids) - 1
+    same(warm, run(Engine(hybrid.model, hybrid.tokenizer), turn, NGramDrafter(), 4, GREEDY))
+    edited = history[:70] + [(history[70] + 1) % vocab or 3] + history[71:]
+    out = run(engine, edited, None, 0, GREEDY)
+    assert out.stats.cached_tokens == STATE_EVERY
+    same(out, run(Engine(hybrid.model, hybrid.tokenizer), edited, None, 0, GREEDY))
+    # the same turn again (a regenerated answer): the stored copy of the conversation holds its
+    # state at 64, 128 and its end (167): the last checkpoint within the prompt's 143 is 128
+    again = run(engine, turn, None, 0, GREEDY)
+    assert again.stats.cached_tokens == 2 * STATE_EVERY
+    same(again, run(Engine(hybrid.model, hybrid.tokenizer), turn, None, 0, GREEDY))
