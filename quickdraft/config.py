@@ -98,6 +98,21 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj also yields a gate: attention output * sigmoid(gate)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def layer_pattern(self) -> str:
+        """The layers as the start-up line names them: "24 layers" or, for models with several
+        kinds, "24 layers: 18 linear_attention + 6 full_attention (every 4th)"."""
+        n = self.num_hidden_layers
+        if not self.layer_types or len(set(self.layer_types)) == 1:
+            return f"{n} layers" + (f" of {self.layer_types[0]}" if self.layer_types else "")
+        kinds = sorted(set(self.layer_types), key=self.layer_types.index)
+        counts = " + ".join(f"{self.layer_types.count(k)} {k}" for k in kinds)
+        rarest = min(kinds, key=self.layer_types.count)
+        at = [i for i, t in enumerate(self.layer_types) if t == rarest]
+        step = at[0] + 1
+        every = f" (every {step}{'st' if step == 1 else 'nd' if step == 2 else 'rd' if step == 3 else 'th'})" \
+            if at == list(range(step - 1, n, step)) else ""
+        return f"{n} layers: {counts}{every}"
+
     def to_json_dict(self) -> dict[str, Any]:
         """The fields as JSON values (:meth:`from_json_dict` reads them back equal)."""
         return dataclasses.asdict(self)

@@ -129,8 +129,21 @@ def test_vision_language_checkpoint_runs_its_text_model(tmp_path: Path, folders:
     save_file(weights, str(folder / "model.safetensors"))
     vl = load_model(str(folder), dtype="float32", max_context=256)
     assert vl.config.model_type == "qwen3_5" and vl.config.layer_types == (LIN, FULL, LIN)
+    assert vl.config.layer_pattern() == "3 layers: 2 linear_attention + 1 full_attention (every 2nd)"
+    assert vl.model.load_notes == ["the checkpoint's multi-token-prediction layers (1 mtp.* tensors) are not used "
+                                   "as a drafter yet: loaded without them"]
+    assert hybrid.model.load_notes == []
     ids = hybrid.tokenizer.encode(TEXT)[:40]
     assert torch.equal(logits(vl, ids), logits(hybrid, ids))
+
+
+def test_the_start_up_line_names_the_layer_pattern() -> None:
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": {
+            "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 24,
+            "num_attention_heads": 2, "full_attention_interval": 4}})
+    assert cfg.model_type == "qwen3_5" and cfg.tie_word_embeddings and cfg.partial_rotary_factor == 0.25
+    assert cfg.layer_pattern() == "24 layers: 18 linear_attention + 6 full_attention (every 4th)"
 
 
 def test_unsupported_layer_types_are_refused() -> None:

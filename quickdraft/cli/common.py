@@ -104,7 +104,11 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     options = EngineOptions.from_args(args)
     say(f"loading {args.model} ...")
     llm = LLM(args.model, options, log=say)
-    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}); drafter: {describe_drafter(llm.drafter)}")
+    cfg = llm.target.config
+    say(f"loaded in {llm.target.load_seconds:.1f} s ({llm.target.path}): {cfg.model_type}, {cfg.layer_pattern()}; "
+        f"drafter: {describe_drafter(llm.drafter)}")
+    for note in llm.target.model.load_notes:
+        say(note)
     return llm
 
 

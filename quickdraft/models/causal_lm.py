@@ -67,6 +67,7 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self._native = NativeStack()
         self._vocab_subset: tuple[torch.Tensor, nn.Module] | None = None  # set_output_vocab
+        self.load_notes: list[str] = []  # what loading left out of the checkpoint, for the start-up lines
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -227,8 +227,13 @@ class CausalLM(causal_lm.CausalLM):
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision
         tower, no multi-token-prediction layers."""
+        mtp = 0
         for name, tensor in tensors:
             for pattern, repl in CHECKPOINT_RENAMES:
                 name = pattern.sub(repl, name)
+            mtp += name.startswith("mtp.")
             if not name.startswith(CHECKPOINT_SKIP):
                 yield name, tensor
+        if mtp:
+            self.load_notes.append(f"the checkpoint's multi-token-prediction layers ({mtp} mtp.* tensors) are not used "
+                                   "as a drafter yet: loaded without them")
