@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_concurrency import alone, requests, together
+from test_concurrency import alone, requests, run_to_end, together
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
@@ -130,9 +130,10 @@ def test_vision_language_checkpoint_runs_its_text_model(tmp_path: Path, folders:
     vl = load_model(str(folder), dtype="float32", max_context=256)
     assert vl.config.model_type == "qwen3_5" and vl.config.layer_types == (LIN, FULL, LIN)
     assert vl.config.layer_pattern() == "3 layers: 2 linear_attention + 1 full_attention (every 2nd)"
-    assert vl.model.load_notes == ["the checkpoint's multi-token-prediction layers (1 mtp.* tensors) are not used "
-                                   "as a drafter yet: loaded without them"]
-    assert hybrid.model.load_notes == []
+    # its MTP tensors are not Qwen3.5's layout (a lone fc): the model runs without them, and says so
+    assert vl.model.mtp_head() is None and hybrid.model.mtp_head() is None
+    assert len(vl.model.load_notes) == 1 and "layout quickdraft does not know" in vl.model.load_notes[0]
+    assert "lacks 14 tensor(s)" in vl.model.load_notes[0] and hybrid.model.load_notes == []
     ids = hybrid.tokenizer.encode(TEXT)[:40]
     assert torch.equal(logits(vl, ids), logits(hybrid, ids))
 
@@ -291,3 +292,139 @@ def test_prefix_cache_warm_equals_cold(hybrid: LoadedModel) -> None:
     again = run(engine, turn, None, 0, GREEDY)
     assert again.stats.cached_tokens == 2 * STATE_EVERY
     same(again, run(Engine(hybrid.model, hybrid.tokenizer), turn, None, 0, GREEDY))
+
+
+# ------------------------------------------------------------------------- MTP: the model's own drafter
+
+
+@pytest.fixture(scope="module")
+def with_mtp(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The hybrid checkpoint plus random ``mtp.*`` tensors of Qwen3.5's layout (one gated-attention layer)."""
+    from quickdraft.models.gemma3 import GemmaRMSNorm
+    from quickdraft.models.qwen3_5 import DecoderLayer
+    from quickdraft.speculative.mtp import MTPHead
+
+    src = folders["hybrid"]
+    folder = tmp_path_factory.mktemp("mtp") / "hybrid-mtp"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / f).write_text((src / f).read_text())
+    plain = load_model(str(src), dtype="float32", max_context=256)
+    head = MTPHead(plain.model, DecoderLayer(plain.config, plain.model.model.rope, linear=False, index=0), GemmaRMSNorm)
+    gen = torch.Generator().manual_seed(11)
+    weights = load_file(str(src / "model.safetensors"))
+    for name, p in head.state_dict().items():
+        scale = 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5  # norms around 1 + w, matrices of unit gain
+        weights["mtp." + name] = torch.randn(p.shape, generator=gen) * scale
+    save_file(weights, str(folder / "model.safetensors"))
+    return load_model(str(folder), dtype="float32", max_context=256)
+
+
+class Recorder:
+    """Wraps an MTP drafter's proposals: (committed tokens, proposed chain) per step."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.log: list[tuple[list[int], list[int]]] = []
+        inner = drafter.drafting
+
+        def drafting(k: int) -> Any:
+            draft = yield from inner(k)
+            self.log.append((list(drafter.tokens), draft.tokens.tolist()))
+            return draft
+
+        drafter.drafting = drafting
+
+
+def reference_chain(ref: Any, mtp: dict[str, torch.Tensor], context: list[int], k: int) -> list[int]:
+    """The MTP chain from the published equations, with transformers' own Qwen3.5 decoder layer:
+    row j reads fc([norm_e(embed(t_{j+1})), norm_h(s_j)]) (s: the target's last hidden states after
+    its final norm), the layer attends causally over the rows (RoPE position j), logits =
+    lm_head(norm(h)); each drafted row reads the previous row's norm(h) and the drafted token."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    cfg = ref.config
+    eps = cfg.rms_norm_eps
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # Qwen3.5's zero-centred RMSNorm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+    layer = Qwen3_5DecoderLayer(cfg, layer_idx=cfg.layer_types.index(FULL)).eval()
+    layer.load_state_dict({n.removeprefix("layers.0."): t for n, t in mtp.items() if n.startswith("layers.0.")})
+    rotary = ref.model.rotary_emb
+    with torch.inference_mode():
+        out = ref(input_ids=torch.tensor([context]), output_hidden_states=True, use_cache=False)
+        s = out.hidden_states[-1][0]  # [n, H], after the final norm
+        states = [s[j] for j in range(len(context) - 1)]
+        tokens = context[1:]
+        drafted: list[int] = []
+        for _ in range(k):
+            e = ref.model.embed_tokens(torch.tensor(tokens))
+            g = torch.stack(states)
+            x = torch.cat([norm(e, mtp["pre_fc_norm_embedding.weight"]), norm(g, mtp["pre_fc_norm_hidden.weight"])], -1)
+            x = (x @ mtp["fc.weight"].T).unsqueeze(0)
+            n = x.shape[1]
+            pos = torch.arange(n).unsqueeze(0)
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            h = layer(x, position_embeddings=rotary(x, pos), attention_mask=mask, position_ids=pos)[0]
+            z = norm(h[-1], mtp["norm.weight"])
+            d = int((z @ ref.lm_head.weight.T).argmax())
+            drafted.append(d)
+            states.append(z)
+            tokens.append(d)
+    return drafted
+
+
+def test_mtp_proposals_equal_the_equations_step_by_step(with_mtp: LoadedModel, folders: dict[str, Path]) -> None:
+    from quickdraft.speculative.mtp import MTPDrafter
+
+    head = with_mtp.model.mtp_head()
+    assert head is not None and with_mtp.model.load_notes == []
+    drafter = MTPDrafter(head, with_mtp.model, mode="chain", policy=False, head_seconds=0.0)
+    rec = Recorder(drafter)
+    prompt = with_mtp.tokenizer.encode(TEXT[:50])
+    generate(with_mtp, prompt, drafter, 3, max_tokens=12, ignore_eos=True)
+    assert len(rec.log) >= 3
+    ref = load_reference(folders["hybrid"])
+    mtp = {n: t.float() for n, t in with_mtp.model.mtp_weights.items()}
+    for context, proposal in rec.log:
+        assert proposal == reference_chain(ref, mtp, context, len(proposal)), len(context)
+        assert len(proposal) == min(3, len(prompt) + 12 - len(context) - 1)  # what the engine asked for
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_mtp_drafting_matches_plain_greedy(with_mtp: LoadedModel, mode: str) -> None:
+    from quickdraft.speculative.mtp import MTPDrafter
+
+    head = with_mtp.model.mtp_head()
+    assert head is not None
+    prompt = with_mtp.tokenizer.encode(TEXT[:60])
+    truth = generate(with_mtp, prompt, max_tokens=30, ignore_eos=True).ids
+    for seed in (None, 5):  # greedy, and seeded sampling: one answer per seed
+        params: dict[str, Any] = {} if seed is None else {"temperature": 0.8, "seed": seed}
+        want = truth if seed is None else generate(with_mtp, prompt, max_tokens=30, ignore_eos=True, **params).ids
+        drafter = MTPDrafter(head, with_mtp.model, mode=mode, policy=False, head_seconds=0.0)
+        got = generate(with_mtp, prompt, drafter, 4, max_tokens=30, ignore_eos=True, **params)
+        assert got.ids == want and got.stats.drafted > 0
+
+
+def test_mtp_is_the_drafter_auto_and_mtp_pick(with_mtp: LoadedModel, hybrid: LoadedModel) -> None:
+    from quickdraft.assemble.drafters import build_drafter
+    from quickdraft.options import EngineOptions
+    from quickdraft.speculative.mtp import MTPDrafter
+
+    drafter, k = build_drafter(EngineOptions(draft="mtp", num_draft=3), with_mtp)
+    assert isinstance(drafter, MTPDrafter) and k == 3
+    auto, _ = build_drafter(EngineOptions(), with_mtp)
+    assert auto is not None and {p.name for p in auto.parts()} == {"ngram", "mtp"}
+    with pytest.raises(QuickdraftError, match="carries no multi-token-prediction layers"):
+        build_drafter(EngineOptions(draft="mtp"), hybrid)
+    # three sequences drafting with it at once (n-gram and MTP forks, one head pass per depth): each == plain
+    reqs = requests(with_mtp, 3)
+    engine = Engine(with_mtp.model, with_mtp.tokenizer, max_sequences=3)
+    drafters = [auto, *auto.forks(len(reqs) - 1)]
+    running = {engine.add(r.prompt, r.params, d, 6): i for i, (r, d) in enumerate(zip(reqs, drafters, strict=True))}
+    got: dict[Any, list[int]] = {g: [] for g in running}
+    run_to_end(engine, got)
+    for gen, i in running.items():
+        reqs[i].drafter = "none"
+        assert got[gen] == alone(with_mtp, reqs[i]), i

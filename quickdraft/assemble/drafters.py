@@ -1,4 +1,7 @@
-"""Build the drafter a user asked for: ``--draft auto|none|ngram|MODEL|HEAD`` and ``--num-draft K|auto``.
+"""Build the drafter a user asked for: ``--draft auto|none|ngram|mtp|MODEL|HEAD`` and ``--num-draft K|auto``.
+
+mtp is the model's own multi-token-prediction layer (Qwen3.5's ``mtp.*``); ``auto`` drafts with it
+(beside n-gram lookup) where the checkpoint has one, else with the zoo's draft model.
 
 HEAD is an EAGLE-3 draft head for the target (a folder or .safetensors file, recognised by its
 config / tensor names): it drafts alongside n-gram lookup in the AutoDrafter, after a load-time
@@ -16,6 +19,7 @@ import torch
 
 from quickdraft import zoo
 from quickdraft.assemble.pass_costs import pass_cost_model
+from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model, resolve
 from quickdraft.options import EngineOptions
 from quickdraft.speculative.base import Drafter
@@ -26,6 +30,7 @@ from quickdraft.speculative.draft_model import (
 )
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
+from quickdraft.speculative.mtp import MTPDrafter
 from quickdraft.speculative.policy import (
     Acceptance,
     AutoDrafter,
@@ -40,6 +45,7 @@ DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 MAX_AUTO_K = 8
 LOOKUP_MAX_K = 32  # a long match of a file being rewritten holds for dozens of tokens
 NGRAM_PRIOR, DRAFT_PRIOR, EAGLE_PRIOR = 0.6, 0.7, 0.8
+MTP = "mtp"  # --draft mtp: the checkpoint's own multi-token-prediction layer
 PREFILL_WINDOW = 128  # prompt tokens a draft model under the cost model reads at least (see below)
 
 
@@ -102,6 +108,21 @@ def _base_drafters(
     """(drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or
     None) for each drafter in play."""
     out: list[tuple[Drafter, float, float, TargetCost | None]] = []
+    mtp = target.model.mtp_head() if cfg.draft in ("auto", MTP) else None
+    if cfg.draft == MTP and mtp is None:
+        raise QuickdraftError(
+            f"--draft mtp: {target.path} carries no multi-token-prediction layers (mtp.* tensors) quickdraft can "
+            "run; use --draft auto, ngram or a draft model"
+        )
+    if mtp is not None:  # the model's own drafter, trained with it: beside n-gram lookup in auto
+        if cfg.draft == "auto":
+            out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
+        shape = default_shape(target.model.device)
+        if cfg.num_draft is not None:
+            shape = dataclasses.replace(shape, max_nodes=cfg.num_draft, max_depth=min(shape.max_depth, cfg.num_draft))
+        say("drafting with the checkpoint's multi-token-prediction layer (mtp)")
+        out.append((MTPDrafter(mtp, target.model, shape=shape, policy=cfg.num_draft is None), EAGLE_PRIOR, 0.0, None))
+        return out
     head = eagle3_head_path(cfg.draft)
     if cfg.draft in ("auto", "ngram") or head is not None:
         out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
@@ -156,7 +177,7 @@ def _default_draft(target: LoadedModel) -> str | None:
 def eagle3_head_path(spec: str) -> Path | None:
     """Where the EAGLE-3 head named by ``spec`` lives, or None when ``spec`` names no head
     (a keyword, a draft model, or a path that does not exist: load_model reports that)."""
-    if spec in ("auto", "none", "ngram"):
+    if spec in ("auto", "none", "ngram", MTP):
         return None
     path = Path(spec).expanduser()
     if not path.exists() and zoo.lookup(spec) is not None:

@@ -52,8 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "use the same N as --nproc-per-node (default: 1)")
     g = p.add_argument_group("speculative decoding (lossless)")
     g.add_argument("--draft", "-d", default="auto",
-                   help="auto (default: picks per step what pays), none, ngram, a draft model sharing "
-                        "the target's tokenizer (zoo name, .gguf, folder), or an EAGLE-3 head trained for "
+                   help="auto (default: picks per step what pays; the model's own MTP layer where it has one), "
+                        "none, ngram, mtp (the checkpoint's multi-token-prediction layer, e.g. Qwen3.5's), a draft "
+                        "model sharing the target's tokenizer (zoo name, .gguf, folder), or an EAGLE-3 head trained for "
                         "the target (folder or .safetensors; drafts trees sized per step, alongside n-gram)")
     g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",

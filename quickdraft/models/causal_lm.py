@@ -12,7 +12,7 @@ are switched by :class:`ModelConfig` fields.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from quickdraft.models.layers import (
     prefill_chunks,
 )
 from quickdraft.models.native import NativeStack
+
+if TYPE_CHECKING:
+    from quickdraft.speculative.eagle3.head import DraftHead
 
 
 class DenseBackbone(nn.Module):
@@ -72,6 +75,11 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def mtp_head(self) -> DraftHead | None:
+        """The checkpoint's own multi-token-prediction layer as a draft head (``--draft mtp``), or
+        None where the family has none or the checkpoint carried none."""
+        return None
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
         """Give a model built on the meta device real (uninitialised) storage in ``dtype``."""

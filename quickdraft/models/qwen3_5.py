@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +32,14 @@ from torch import nn
 
 from quickdraft.cache import HybridCache, RecurrentShape, State
 from quickdraft.config import LINEAR_ATTENTION, ModelConfig
+from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
 from quickdraft.models.gemma3 import GemmaRMSNorm
 from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
 from quickdraft.models.phi3 import PartialRope
+
+if TYPE_CHECKING:
+    from quickdraft.speculative.eagle3.head import DraftHead
 
 # checkpoint names -> the model's (a vision-language checkpoint's text model), and what is not loaded
 CHECKPOINT_RENAMES = ((re.compile(r"^model\.language_model\."), "model."),)
@@ -199,6 +203,11 @@ class CausalLM(causal_lm.CausalLM):
 
     backbone = _Backbone
 
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__(cfg, max_len)
+        self.mtp_weights: dict[str, Any] = {}  # the checkpoint's mtp.* tensors (names without the prefix)
+        self._mtp: DraftHead | None = None
+
     def recurrent_shape(self) -> RecurrentShape:
         cfg = self.config
         return RecurrentShape(
@@ -227,13 +236,33 @@ class CausalLM(causal_lm.CausalLM):
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision
         tower, no multi-token-prediction layers."""
-        mtp = 0
+        self.mtp_weights = {}
         for name, tensor in tensors:
             for pattern, repl in CHECKPOINT_RENAMES:
                 name = pattern.sub(repl, name)
-            mtp += name.startswith("mtp.")
-            if not name.startswith(CHECKPOINT_SKIP):
+            if name.startswith("mtp."):
+                self.mtp_weights[name.removeprefix("mtp.")] = tensor
+            elif not name.startswith(CHECKPOINT_SKIP):
                 yield name, tensor
-        if mtp:
-            self.load_notes.append(f"the checkpoint's multi-token-prediction layers ({mtp} mtp.* tensors) are not used "
-                                   "as a drafter yet: loaded without them")
+
+    def mtp_head(self) -> DraftHead | None:
+        """The checkpoint's MTP layer (``mtp.*``: fc, two pre-fc norms, one gated-attention decoder
+        layer, a norm), built once; None (and a load note) where there is none or its layout is
+        not that one."""
+        if self._mtp is not None or not self.mtp_weights:
+            return self._mtp
+        from quickdraft.loading.weights import load_weights
+        from quickdraft.speculative.mtp import MTPHead
+
+        cfg = self.config
+        head = MTPHead(self, DecoderLayer(cfg, self.model.rope, linear=False, index=0), GemmaRMSNorm)
+        head.to(device=self.device, dtype=self.dtype)
+        try:
+            load_weights(head, self.mtp_weights.items(), tied=False)
+        except QuickdraftError as exc:
+            self.load_notes.append(f"the checkpoint's multi-token-prediction tensors have a layout quickdraft does "
+                                   f"not know ({exc}): the model runs without them")
+            self.mtp_weights = {}
+            return None
+        self._mtp = head.eval()
+        return head

@@ -73,7 +73,7 @@ from quickdraft.speculative.base import (
     begin_together,
     run_alone,
 )
-from quickdraft.speculative.eagle3.head import Eagle3Head
+from quickdraft.speculative.eagle3.head import DraftHead
 from quickdraft.speculative.policy import TargetCost
 from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
@@ -118,7 +118,7 @@ class HeadPass(DraftPass):
     what ``mask`` [T, start + T] allows, ``committed`` being the slots of committed rows below the
     draft). Gives back the logits of the last ``num_logits`` rows (all if None) and every row's h."""
 
-    head: Eagle3Head
+    head: DraftHead
     cache: KVCache
     embeds: Tensor
     features: Tensor
@@ -141,7 +141,7 @@ class HeadPass(DraftPass):
     @classmethod
     def together(cls, asks: Sequence[HeadPass]) -> list[PassOutput]:
         """The asks' rows as ONE pass of the head over the pool's staging slots: each row sees the
-        slots of its lane and of its own ask's rows that it sees alone (:meth:`Eagle3Head.visible`),
+        slots of its lane and of its own ask's rows that it sees alone (:meth:`DraftHead.visible`),
         in the same order; each lane then keeps its rows, as its own pass would have appended them."""
         pool, head = begin_together(asks), asks[0].head
         device = pool.buffer.k.device
@@ -212,7 +212,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(
         self,
-        head: Eagle3Head,
+        head: DraftHead,
         target: CausalLM,
         mode: str = "auto",
         shape: TreeShape | None = None,
@@ -332,7 +332,7 @@ class Eagle3Drafter(Drafter):
         self.cache, self.pool, self.lane = pool.lanes[0], pool, 0
         twins: list[Drafter] = []
         for i in range(1, count + 1):
-            twin = Eagle3Drafter(self.head, self.target, self.mode, self.shape, self.cost, self.head_seconds,
+            twin = type(self)(self.head, self.target, self.mode, self.shape, self.cost, self.head_seconds,
                                  self.policy, self.observe_cost, self.alpha, lane=(pool, i))
             twin.variant = self.variant
             twins.append(twin)
@@ -623,7 +623,7 @@ class Eagle3Drafter(Drafter):
         self._pred = (1 - CALIBRATION_EMA) * self._pred + CALIBRATION_EMA * predicted
 
 
-def measure_head_seconds(head: Eagle3Head, rows: int, repeats: int = 2) -> float:
+def measure_head_seconds(head: DraftHead, rows: int, repeats: int = 2) -> float:
     """Seconds of one head pass over ``rows`` rows on a short scratch context."""
     cfg = head.config
     context = 32

@@ -267,32 +267,36 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(nn.Module):
-    """EAGLE-3 head with the published parameter names (``fc``, ``midlayer.*``, ``norm``,
-    ``lm_head``, buffers ``d2t``/``t2d``, optional ``embed_tokens``)."""
+class DraftHead(nn.Module):
+    """A one-layer head that drafts from the target's features, run by
+    :class:`~quickdraft.speculative.eagle3.drafter.Eagle3Drafter`: EAGLE-3's, or a model's own
+    multi-token-prediction layer (:mod:`quickdraft.speculative.mtp`). Row j holds the feature of
+    target position j (:meth:`fuse` of the layers ``config.aux_layers`` captures), the embedding
+    of token j+1 and RoPE position j; its logits predict token j+2, and the state it returns feeds
+    the next drafted row. Subclasses give the layer (:meth:`layer_rows`, :attr:`attention`), the
+    feature and the output (:meth:`fuse`, :meth:`output`)."""
 
-    def __init__(self, cfg: Eagle3Config, max_len: int | None = None, own_embedding: bool = False) -> None:
-        super().__init__()
-        self.config = cfg
-        self.max_len = max_len or cfg.max_position_embeddings
-        h = cfg.hidden_size
-        self.rope = Rope(cfg.model_config(), self.max_len)
-        n, ht = len(cfg.aux_layers), cfg.target_hidden_size
-        self.fc = Linear(n * ht, h, bias=False)
-        self.input_norm = RMSNorm(n * ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
-        self.fc_norm = nn.ModuleList([RMSNorm(ht, cfg.rms_norm_eps) for _ in range(n)]) if cfg.fc_norm else None
-        self.midlayer = Eagle3Layer(cfg, self.rope)
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
-        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
-        self.d2t: Tensor
-        self.t2d: Tensor
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True  # identity map until a vocabulary mapping is loaded
-        self.register_buffer("t2d", t2d)
+    config: Eagle3Config
+    max_len: int
+    fc: Linear  # its weight gives the head's dtype and device
+    embed_tokens: nn.Module | None  # None: the target's embedding
 
-    # ------------------------------------------------------------------ shared helpers
+    @property
+    def attention(self) -> Attention:
+        """The layer's attention (its window is lifted while rows give their slots explicitly)."""
+        raise NotImplementedError
+
+    def layer_rows(self, embeds: Tensor, features: Tensor, step: Step) -> Tensor:
+        """The layer over T rows: embeddings [T, H], features [T, H] -> h [T, H]."""
+        raise NotImplementedError
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """Captured target hidden states [.., n * Ht] -> the feature [.., H] of a committed row."""
+        raise NotImplementedError
+
+    def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(logits [n, Vd] of ``rows`` (all if None), the state [T, H] the next drafted row reads)."""
+        raise NotImplementedError
 
     @property
     def dtype(self) -> torch.dtype:
@@ -306,42 +310,11 @@ class Eagle3Head(nn.Module):
         cfg = self.config
         return KVCache(1, cfg.num_key_value_heads, cfg.head_dim, max_len or self.max_len, self.dtype, self.device)
 
-    def fuse(self, target_hidden: Tensor) -> Tensor:
-        """``[.., n * Ht]`` concatenated aux hidden states -> ``[.., H]`` feature.
-
-        Rows [T, n * Ht] go through the batch-invariant Linear; batches [B, T, n * Ht] (training,
-        differentiable) through plain F.linear.
-        """
-        x = target_hidden.to(self.dtype)
-        if self.input_norm is not None:
-            x = self.input_norm(x)
-        if self.fc_norm is not None:
-            chunks = x.chunk(len(self.fc_norm), dim=-1)
-            x = torch.cat([norm(c.contiguous()) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
-        return self.fc(x) if x.dim() == 2 else F.linear(x, self.fc.weight)
-
-    def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(logits [n, Vd] of ``rows`` (all if None), the state [T, H] the next drafted row reads):
-        lm_head(norm(h)) and h, or the variants' forms (see the module doc)."""
-        cfg = self.config
-        if cfg.norm_output:
-            z = self.norm(h)
-            return self.lm_head(z if rows is None else z.index_select(0, rows)), z
-        out = h if rows is None else h.index_select(0, rows)
-        return self.lm_head(self.norm(out) if cfg.final_norm else out), h
-
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (target = draft + d2t[draft])."""
         return draft_ids + self.d2t[draft_ids]
 
-    def set_vocab_map(self, d2t: Tensor) -> None:
-        """Install a draft->target offset table and derive t2d from it."""
-        with torch.no_grad():
-            self.d2t.copy_(d2t.to(self.d2t.device, torch.long))
-            self.t2d.zero_()
-            self.t2d[self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))] = True
-
-    # ------------------------------------------------------------------ inference
+    d2t: Tensor
 
     @torch.inference_mode()
     def forward(
@@ -357,11 +330,11 @@ class Eagle3Head(nn.Module):
         """Run T rows, writing their keys/values into the next T slots of ``cache`` (1 layer).
 
         embeds [T, H] (token j+1's embedding), features [T, H] (fused target features or the
-        head's previous ``h``), positions [T] (default: the slots; rows of a draft give theirs),
+        head's previous state), positions [T] (default: the slots; rows of a draft give theirs),
         mask [T, start + T] bool for tree rows (default: causal), committed: the slots of committed
         rows below a draft (a sliding head's drafted rows see the last W of them, see
         :meth:`visible`). Returns (draft logits [n, Vd] float32 for the last ``num_logits`` rows
-        (all by default), h [T, H]). Row results do not depend on how many rows share the call
+        (all by default), state [T, H]). Row results do not depend on how many rows share the call
         (quickdraft's blocked Linear and per-row attention).
         """
         t = embeds.shape[0]
@@ -370,14 +343,14 @@ class Eagle3Head(nn.Module):
             positions = torch.arange(start, end, device=embeds.device)
         tree = mask is not None
         window = self.config.sliding_window
-        attn = self.midlayer.self_attn
+        attn = self.attention
         if committed is not None and window is not None:
             mask, tree, attn.window = self.visible(start, t, mask, committed), True, None
         elif mask is None:
             mask = causal_mask(start, t, embeds.device)
         step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
         try:
-            h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
+            h = self.layer_rows(embeds.to(self.dtype), features.to(self.dtype), step)
         finally:
             attn.window = window
         cache.advance(t)
@@ -408,20 +381,86 @@ class Eagle3Head(nn.Module):
         """A pass over rows of several sequences (lanes of a :class:`~quickdraft.cache.KVPool`),
         each row seeing exactly the slots ``rows`` lists (its window already applied): keys and
         values go to ``buffer``'s next slots (the pool's staging). Returns (logits [n, Vd] float32
-        of ``logit_rows``, h [T, H]); every row bitwise what :meth:`forward` computes for it alone."""
+        of ``logit_rows``, state [T, H]); every row bitwise what :meth:`forward` computes for it alone."""
         t = embeds.shape[0]
         start, _ = buffer.reserve(t)
         step = Step(positions=positions, start=start, mask=None, cache=buffer, tree=True, row_slots=rows.slots,
                     slot_pos=rows.slot_pos)
-        attn = self.midlayer.self_attn
+        attn = self.attention
         window, attn.window = attn.window, None
         try:
-            h = self.midlayer(embeds.to(self.dtype), features.to(self.dtype), step)
+            h = self.layer_rows(embeds.to(self.dtype), features.to(self.dtype), step)
         finally:
             attn.window = window
         buffer.advance(t)
         logits, state = self.output(h, logit_rows)
         return logits.float(), state
+
+
+class Eagle3Head(DraftHead):
+    """EAGLE-3 head with the published parameter names (``fc``, ``midlayer.*``, ``norm``,
+    ``lm_head``, buffers ``d2t``/``t2d``, optional ``embed_tokens``)."""
+
+    def __init__(self, cfg: Eagle3Config, max_len: int | None = None, own_embedding: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        self.max_len = max_len or cfg.max_position_embeddings
+        h = cfg.hidden_size
+        self.rope = Rope(cfg.model_config(), self.max_len)
+        n, ht = len(cfg.aux_layers), cfg.target_hidden_size
+        self.fc = Linear(n * ht, h, bias=False)
+        self.input_norm = RMSNorm(n * ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(ht, cfg.rms_norm_eps) for _ in range(n)]) if cfg.fc_norm else None
+        self.midlayer = Eagle3Layer(cfg, self.rope)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
+        self.d2t: Tensor
+        self.t2d: Tensor
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True  # identity map until a vocabulary mapping is loaded
+        self.register_buffer("t2d", t2d)
+
+    # ------------------------------------------------------------------ shared helpers
+
+    @property
+    def attention(self) -> Attention:
+        return self.midlayer.self_attn
+
+    def layer_rows(self, embeds: Tensor, features: Tensor, step: Step) -> Tensor:
+        return self.midlayer(embeds, features, step)
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """``[.., n * Ht]`` concatenated aux hidden states -> ``[.., H]`` feature.
+
+        Rows [T, n * Ht] go through the batch-invariant Linear; batches [B, T, n * Ht] (training,
+        differentiable) through plain F.linear.
+        """
+        x = target_hidden.to(self.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            chunks = x.chunk(len(self.fc_norm), dim=-1)
+            x = torch.cat([norm(c.contiguous()) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(x) if x.dim() == 2 else F.linear(x, self.fc.weight)
+
+    def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(logits [n, Vd] of ``rows`` (all if None), the state [T, H] the next drafted row reads):
+        lm_head(norm(h)) and h, or the variants' forms (see the module doc)."""
+        cfg = self.config
+        if cfg.norm_output:
+            z = self.norm(h)
+            return self.lm_head(z if rows is None else z.index_select(0, rows)), z
+        out = h if rows is None else h.index_select(0, rows)
+        return self.lm_head(self.norm(out) if cfg.final_norm else out), h
+
+    def set_vocab_map(self, d2t: Tensor) -> None:
+        """Install a draft->target offset table and derive t2d from it."""
+        with torch.no_grad():
+            self.d2t.copy_(d2t.to(self.d2t.device, torch.long))
+            self.t2d.zero_()
+            self.t2d[self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))] = True
 
     # ------------------------------------------------------------------ training
 

@@ -1,0 +1,80 @@
+"""A model's own multi-token-prediction (MTP) layer as its drafter (``--draft mtp``; ``auto`` picks it).
+
+Qwen3.5 and Qwen3-Next checkpoints carry ``mtp.*`` tensors: one decoder layer trained with the
+model to predict the token after next, as DeepSeek-V3's MTP modules (arXiv 2412.19437, section 2.2)
+and run the way vLLM and llama.cpp run them. Row j of the head (target position j)::
+
+    e = pre_fc_norm_embedding(embed(token j+1))      the target's embedding
+    g = pre_fc_norm_hidden(s_j)                      s_j: the target's last hidden state after its final norm
+    x = fc(cat([e, g]))                              [2H] -> [H]
+    h = layer(x)                                     a full-attention decoder layer of the model's own kind,
+                                                     with its own KV cache, RoPE position j
+    z = norm(h);  logits = lm_head(z)                the target's output head: token j+2
+
+Drafting on from row j, the next row reads z_j in place of s (one layer chained for k > 1). This is
+EAGLE's alignment, so :class:`~quickdraft.speculative.eagle3.drafter.Eagle3Drafter` runs the head
+(chains, dynamic trees, rollback, several sequences in one head pass) with the target's
+final-norm input captured as the feature.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from quickdraft.models.layers import Attention, Linear
+from quickdraft.speculative.eagle3.drafter import Eagle3Drafter
+from quickdraft.speculative.eagle3.head import DraftHead, Eagle3Config
+
+if TYPE_CHECKING:
+    from quickdraft.models.causal_lm import CausalLM
+    from quickdraft.models.layers import Step
+
+
+class MTPHead(DraftHead):
+    """A target's MTP layer with the checkpoint's names (``fc``, ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``layers.0.*``, ``norm``; without the ``mtp.`` prefix). ``layer`` is
+    the decoder layer (the target family's full-attention kind) and ``norm`` the family's RMSNorm;
+    the embedding and output head are the target's."""
+
+    def __init__(self, target: CausalLM, layer: nn.Module, norm: type[nn.Module]) -> None:
+        super().__init__()
+        cfg = target.config
+        h = cfg.hidden_size
+        # What the drafter reads: the final norm's input (capture index L), one layer's KV shape.
+        self.config = Eagle3Config.for_target(cfg, aux_layers=(cfg.num_hidden_layers,))
+        self.max_len = target.max_len
+        self.embed_tokens = None
+        self.fc = Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = norm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([layer])
+        self.norm = norm(h, cfg.rms_norm_eps)
+        self._target = (target,)  # not a submodule: its parameters are the target's
+        self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+
+    @property
+    def attention(self) -> Attention:
+        attn = self.layers[0].self_attn
+        assert isinstance(attn, Attention)
+        return attn
+
+    def layer_rows(self, embeds: Tensor, features: Tensor, step: Step) -> Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(features)], dim=-1)
+        return self.layers[0](self.fc(x), 0, step)
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """The target's final norm of its last layer's output: the hidden state its logits read."""
+        return self._target[0].model.norm(target_hidden.to(self.dtype))
+
+    def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        z = self.norm(h)
+        return self._target[0].lm_head(z if rows is None else z.index_select(0, rows)), z
+
+
+class MTPDrafter(Eagle3Drafter):
+    """The Eagle3Drafter over a model's own MTP head."""
+
+    name = "mtp"
