@@ -96,6 +96,9 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     attn_output_gate: bool = False  # q_proj also yields a gate: attention output * sigmoid(gate)
+    # Value heads in llama.cpp's tiled order (value head j reads q/k head j % nk; GGUF files), not
+    # grouped (j reads q/k head j // (nv / nk); Hugging Face checkpoints).
+    linear_value_heads_tiled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def layer_pattern(self) -> str:

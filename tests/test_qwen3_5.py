@@ -23,7 +23,13 @@ from test_concurrency import alone, requests, run_to_end, together
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
-from tiny import load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
+from tiny import (
+    load_reference,
+    make_tiny_hf_model,
+    qwen3_5_to_gguf,
+    reference_logits,
+    write_tokenizer,
+)
 
 from quickdraft.cache import STATE_EVERY, HybridCache
 from quickdraft.config import ModelConfig
@@ -428,3 +434,56 @@ def test_mtp_is_the_drafter_auto_and_mtp_pick(with_mtp: LoadedModel, hybrid: Loa
     for gen, i in running.items():
         reqs[i].drafter = "none"
         assert got[gen] == alone(with_mtp, reqs[i]), i
+
+
+# ------------------------------------------------------------------------- GGUF (llama.cpp's "qwen35")
+
+QUANT = {name: "Q8_0" for name in ("attn_qkv.weight", "attn_gate.weight", "ssm_out.weight", "attn_q.weight",
+                                   "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                                   "ffn_up.weight", "ffn_down.weight", "nextn.eh_proj.weight")}
+
+
+def test_gguf_matches_transformers_and_carries_its_mtp_layer(with_mtp: LoadedModel, folders: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    """A GGUF as llama.cpp writes Qwen3.5 (tiled value heads, A as -exp(A_log), 1 + w norms, the
+    MTP layer as a nextn block) gives transformers' logits and the same MTP drafts as the folder."""
+    from quickdraft.speculative.mtp import MTPDrafter
+
+    path = qwen3_5_to_gguf(with_mtp.path, tmp_path / "q35.gguf")
+    g = load_model(str(path), dtype="float32", max_context=256)
+    assert g.config.model_type == "qwen3_5" and g.config.num_hidden_layers == 3
+    assert g.config.layer_types == (LIN, FULL, LIN) and g.config.linear_value_heads_tiled
+    ids = g.tokenizer.encode(TEXT)[:32]
+    want = reference_logits(load_reference(folders["hybrid"]), ids)
+    assert (logits(g, ids) - want).abs().max() < 1e-4
+    prompt = g.tokenizer.encode(TEXT[:50])
+    logs = []
+    for loaded in (with_mtp, g):
+        head = loaded.model.mtp_head()
+        assert head is not None
+        drafter = MTPDrafter(head, loaded.model, mode="chain", policy=False, head_seconds=0.0)
+        rec = Recorder(drafter)
+        generate(loaded, prompt, drafter, 3, max_tokens=12, ignore_eos=True)
+        logs.append(rec.log)
+    assert logs[0] == logs[1] and len(logs[0]) >= 3
+
+
+def test_quantized_gguf_speculation_matches_plain(with_mtp: LoadedModel, tmp_path: Path) -> None:
+    from quickdraft.quant.ggml import kernels_active
+    from quickdraft.speculative.mtp import MTPDrafter
+
+    if not kernels_active():
+        pytest.skip("the native kernels are not built on this machine")
+    q = load_model(str(qwen3_5_to_gguf(with_mtp.path, tmp_path / "q35-q8.gguf", QUANT)), dtype="auto", max_context=256)
+    from quickdraft.quant.ggml import GGMLLinear
+
+    assert isinstance(q.model.model.layers[0].linear_attn.in_proj_qkv, GGMLLinear)
+    prompt = tokens(5, 60, q.config.vocab_size)
+    truth = generate(q, prompt, max_tokens=24, ignore_eos=True).ids
+    head = q.model.mtp_head()
+    assert head is not None and isinstance(head.fc, GGMLLinear)
+    for drafter, k in ((NGramDrafter(max_ngram=3, min_ngram=1), 4),
+                       (MTPDrafter(head, q.model, mode="chain", policy=False, head_seconds=0.0), 3),
+                       (MTPDrafter(head, q.model, mode="tree", policy=False, head_seconds=0.0), 6)):
+        got = generate(q, prompt, drafter, k, max_tokens=24, ignore_eos=True)
+        assert got.ids == truth and got.stats.drafted > 0, drafter.name

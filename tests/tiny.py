@@ -369,6 +369,128 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
     return path
 
 
+_QWEN35_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_QWEN35_MTP = {"fc.weight": "nextn.eh_proj.weight", "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+               "pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def _tiled(w: Any, dim: int, nk: int, rep: int, head: int) -> Any:
+    """llama.cpp's value-head reorder along ``dim``: grouped (k head, rep, head) -> tiled (rep, k head, head)."""
+    import numpy as np
+
+    w = np.moveaxis(w, dim, 0)
+    rest = w.shape[1:]
+    w = w.reshape(nk, rep, head, *rest).swapaxes(0, 1).reshape(nk * rep * head, *rest)
+    return np.ascontiguousarray(np.moveaxis(w, 0, dim))
+
+
+def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -> Path:
+    """A tiny Qwen3.5 folder (text model, ``mtp.*`` tensors too if it has them) as llama.cpp's
+    converter writes it (conversion/qwen.py, arch "qwen35"): ssm_* names and keys, A stored as
+    -exp(A_log), the conv kernel squeezed to [C, K], every norm but the gated one stored as 1 + w,
+    value heads reordered from grouped to tiled, MTP as a "nextn" block after the layers."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(str(folder))
+    tensors = load_file(str(folder / "model.safetensors"))
+    n_mtp = 1 if any(k.startswith("mtp.") for k in tensors) else 0
+    layers = c.num_hidden_layers
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    rep = nv // nk
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    w.add_name(folder.name)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(layers + n_mtp)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 0.25)))
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(dv * nv)
+    # (keys the installed gguf package has no writer method for, by their llama.cpp names)
+    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types] + [False] * n_mtp)
+    w.add_uint32("qwen35.full_attention_interval", 4)
+    if n_mtp:
+        w.add_uint32("qwen35.nextn_predict_layers", n_mtp)
+    gguf_tokenizer_metadata(w)
+    for name, tensor in tensors.items():
+        a = tensor.float().numpy()
+        if name in _GGUF_GLOBAL:
+            gname = _GGUF_GLOBAL[name]
+        elif name.startswith("mtp."):
+            rest = name.removeprefix("mtp.")
+            if rest in _QWEN35_MTP:
+                gname = f"blk.{layers}.{_QWEN35_MTP[rest]}"
+            else:
+                gname = f"blk.{layers}.{_QWEN35_LAYER[rest.removeprefix('layers.0.')]}"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{_QWEN35_LAYER[rest]}"
+        if rep > 1 and ".linear_attn." in name:  # grouped -> tiled value heads
+            if name.endswith("in_proj_qkv.weight"):
+                a = np.concatenate([a[: 2 * nk * dk], _tiled(a[2 * nk * dk :], 0, nk, rep, dv)])
+            elif name.endswith("in_proj_z.weight"):
+                a = _tiled(a, 0, nk, rep, dv)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                a = _tiled(a, 0, nk, rep, 1)
+            elif name.endswith("conv1d.weight"):
+                a = np.concatenate([a[: 2 * nk * dk], _tiled(a[2 * nk * dk :], 0, nk, rep, dv)])
+            elif name.endswith("out_proj.weight"):
+                a = _tiled(a, 1, nk, rep, dv)
+        if name.endswith("A_log"):
+            a = -np.exp(a)
+        elif name.endswith("conv1d.weight"):
+            a = a[:, 0, :]
+        elif gname.endswith("norm.weight") and not gname.endswith("ssm_norm.weight"):
+            a = a + 1.0
+        qtype = next((q for suffix, q in (qtypes or {}).items() if gname.endswith(suffix)), None)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if qtype is None:
+            w.add_tensor(gname, a)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def load_reference(folder: Path) -> Any:
     """The transformers model stored in ``folder``, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

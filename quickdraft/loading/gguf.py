@@ -28,7 +28,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf_file import GGUFFile, release_pages
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
-ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
+                      "qwen35": "qwen3_5"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -59,10 +60,33 @@ _ARCH_LAYER_NAMES = {
         "attn_qkv.weight": "self_attn.qkv_proj.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     },
+    # Qwen3.5: Gated DeltaNet layers' tensors (llama.cpp's ssm_* names), the gated attention's.
+    "qwen3_5": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+        "attn_gate.weight": "linear_attn.in_proj_z.weight",
+        "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+        "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+        "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+        "ssm_dt.bias": "linear_attn.dt_bias",
+        "ssm_a": "linear_attn.A_log",
+        "ssm_norm.weight": "linear_attn.norm.weight",
+        "ssm_out.weight": "linear_attn.out_proj.weight",
+    },
 }
+# Multi-token-prediction ("nextn") blocks after the model's layers: llama.cpp's names -> the
+# checkpoint's mtp.* ones (their decoder layer's tensors keep the standard block names).
+_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "fc.weight",
+    "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "norm.weight",
+}
+_NEXTN_SHARED = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # copies of the target's
 # Architectures whose GGUF norm weights are stored as ``1 + w`` (llama.cpp's converter adds the 1
 # that Gemma's RMSNorm adds at run time); the loader subtracts it again, as transformers does.
-_NORM_PLUS_ONE = ("gemma3_text",)
+_NORM_PLUS_ONE = ("gemma3_text", "qwen3_5")
+_NORM_AS_IS = ("ssm_norm.weight",)  # ... except these (Qwen3.5's gated norm multiplies by w)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -136,6 +160,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     )
     if arch == "gemma3":
         cfg = dataclasses.replace(cfg, **_gemma3_fields(meta, cfg))
+    elif arch == "qwen35":
+        cfg = dataclasses.replace(cfg, **_qwen35_fields(meta, cfg))
     elif arch == "phi3":
         cfg = dataclasses.replace(cfg, **_phi3_fields(meta, cfg, tensor_names))
     return cfg
@@ -156,6 +182,41 @@ def _phi3_fields(meta: dict[str, Any], cfg: ModelConfig, tensor_names: set[str])
         "partial_rotary_factor": rotary / cfg.head_dim,
         "sliding_window": int(window) if window else None,
         "layer_types": ("sliding_attention",) * cfg.num_hidden_layers if window else None,
+    }
+
+
+def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3.5's hybrid layout as llama.cpp's converter writes it: the block count includes the
+    multi-token-prediction blocks (``nextn_predict_layers``), the layer kinds come as
+    ``attention.recurrent_layers`` (or every ``full_attention_interval``-th is full), the Gated
+    DeltaNet shape as ``ssm.*`` keys, value heads in tiled order."""
+
+    def get(key: str) -> Any:
+        value = meta.get(f"qwen35.{key}")
+        if value is None:
+            raise QuickdraftError(f"GGUF metadata lacks 'qwen35.{key}'; the file is incomplete")
+        return value
+
+    layers = cfg.num_hidden_layers - int(meta.get("qwen35.nextn_predict_layers") or 0)
+    recurrent = meta.get("qwen35.attention.recurrent_layers")
+    if recurrent is not None:
+        kinds = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+    else:
+        interval = int(meta.get("qwen35.full_attention_interval") or 4)
+        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    nv = int(get("ssm.time_step_rank"))
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": tuple(kinds),
+        "partial_rotary_factor": int(get("rope.dimension_count")) / cfg.head_dim,
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+        "linear_key_head_dim": int(get("ssm.state_size")),
+        "linear_num_key_heads": int(get("ssm.group_count")),
+        "linear_num_value_heads": nv,
+        "linear_value_head_dim": int(get("ssm.inner_size")) // nv,
+        "linear_value_heads_tiled": True,
     }
 
 
@@ -194,17 +255,27 @@ def rope_freq_factors(reader: GGUFFile) -> list[float] | None:
     return None
 
 
-def hf_name(gguf_name: str, model_type: str | None = None) -> str | None:
+def hf_name(gguf_name: str, model_type: str | None = None, layers: int | None = None) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if unknown);
-    ``model_type`` selects an architecture's own renames (:data:`_ARCH_LAYER_NAMES`)."""
+    ``model_type`` selects an architecture's own renames (:data:`_ARCH_LAYER_NAMES`); blocks from
+    ``layers`` on are multi-token-prediction blocks (``mtp.*`` names, "" for the target's copies)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
     if m is None:
         return None
+    block, rest = int(m.group(1)), m.group(2)
+    if layers is not None and block >= layers:
+        if rest in _NEXTN_SHARED:
+            return ""
+        if rest in _NEXTN_NAMES:
+            return f"mtp.{_NEXTN_NAMES[rest]}" if block == layers else None
+        names = _ARCH_LAYER_NAMES.get(model_type or "", {})
+        local = names.get(rest) or _LAYER_NAMES.get(rest)
+        return None if local is None or block != layers else f"mtp.layers.0.{local}"
     names = _ARCH_LAYER_NAMES.get(model_type or "", {})
-    local = names.get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
-    return None if local is None else f"model.layers.{m.group(1)}.{local}"
+    local = names.get(rest) or _LAYER_NAMES.get(rest)
+    return None if local is None else f"model.layers.{block}.{local}"
 
 
 def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTensor:
@@ -272,8 +343,11 @@ def iter_tensors(
     ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
     permute = cfg.model_type == "llama"
     dequantized = DequantizedTypes()
+    layers = cfg.num_hidden_layers if cfg.model_type == "qwen3_5" else None
     for t in reader.tensors:
-        name = hf_name(t.name, cfg.model_type)
+        name = hf_name(t.name, cfg.model_type, layers)
+        if name == "":
+            continue  # a multi-token-prediction block's copy of the embedding or output head
         if name is None:
             if t.name.startswith("rope_freqs"):
                 continue  # read by rope_freq_factors() into the config
@@ -294,7 +368,11 @@ def iter_tensors(
             w = _unpermute(w, cfg.num_attention_heads)
         elif permute and name.endswith("k_proj.weight"):
             w = _unpermute(w, cfg.num_key_value_heads)
-        if cfg.model_type in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        if cfg.model_type in _NORM_PLUS_ONE and t.name.endswith("norm.weight") and not t.name.endswith(_NORM_AS_IS):
             w = w - np.float32(1.0)
+        if name.endswith(".A_log"):  # llama.cpp stores A = -exp(A_log)
+            w = np.log(-w)
+        elif name.endswith(".conv1d.weight"):  # [C, K] -> the depthwise Conv1d's [C, 1, K]
+            w = w[:, None, :]
         yield name, torch.from_numpy(np.ascontiguousarray(w))
     dequantized.report()

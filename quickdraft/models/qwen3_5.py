@@ -89,6 +89,14 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(h, self.value_dim, bias=False)
         self.in_proj_b = Linear(h, self.nv, bias=False)
         self.in_proj_a = Linear(h, self.nv, bias=False)
+        self.tiled = cfg.linear_value_heads_tiled
+
+    def _per_value_head(self, x: torch.Tensor, rep: int) -> torch.Tensor:
+        """q or k [Hk, Dk] for each value head [Hv, Dk]: grouped (head j reads j // rep), or
+        tiled (j reads j % Hk: GGUF files, whose value heads llama.cpp's converter reorders)."""
+        if rep == 1:
+            return x
+        return x.repeat(rep, 1) if self.tiled else x.repeat_interleave(rep, dim=0)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         t = x.shape[0]
@@ -120,8 +128,8 @@ class GatedDeltaNet(nn.Module):
             for j in range(1, self.kernel):
                 conv = conv + window[:, j] * w[:, j]
             q, k, v = F.silu(conv).split([self.key_dim, self.key_dim, self.value_dim])
-            q = l2norm(q.view(self.nk, self.dk)).repeat_interleave(rep, dim=0) / (self.dk**0.5)  # [Hv, Dk]
-            k = l2norm(k.view(self.nk, self.dk)).repeat_interleave(rep, dim=0)
+            q = self._per_value_head(l2norm(q.view(self.nk, self.dk)), rep) / (self.dk**0.5)  # [Hv, Dk]
+            k = self._per_value_head(l2norm(k.view(self.nk, self.dk)), rep)
             beta = b[i].sigmoid()  # [Hv]
             decay = (a_scale * F.softplus(a[i].float() + self.dt_bias)).exp()
             # the gated delta rule (never in place: states are shared with the cache's rows)

@@ -47,13 +47,21 @@ class MTPHead(DraftHead):
         self.config = Eagle3Config.for_target(cfg, aux_layers=(cfg.num_hidden_layers,))
         self.max_len = target.max_len
         self.embed_tokens = None
-        self.fc = Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)  # (a GGUF may replace it with its quantized matrix)
         self.pre_fc_norm_embedding = norm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = norm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([layer])
         self.norm = norm(h, cfg.rms_norm_eps)
         self._target = (target,)  # not a submodule: its parameters are the target's
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:  # the target's activations (fc may be a quantized GGUF matrix)
+        return self._target[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._target[0].device
 
     @property
     def attention(self) -> Attention:
