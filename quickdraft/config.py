@@ -262,7 +262,8 @@ def _llama4_text_config(d: dict[str, Any]) -> dict[str, Any]:
 
 
 # Vision-language checkpoints whose text model quickdraft runs: model_type -> the text model's.
-_TEXT_MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+_TEXT_MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+                "qwen3_5_moe_text": "qwen3_5_moe"}
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 
@@ -276,6 +277,8 @@ def _text_config(d: dict[str, Any]) -> dict[str, Any]:
     out = dict(text) if isinstance(text, dict) else dict(d)
     if isinstance(text, dict) and "tie_word_embeddings" in d:
         out.setdefault("tie_word_embeddings", d["tie_word_embeddings"])
+    if "intermediate_size" not in out and "moe_intermediate_size" in out:  # Qwen3.5-MoE: experts only
+        out["intermediate_size"] = out["moe_intermediate_size"]
     return {**out, "model_type": _TEXT_MODELS[str(model_type)]}
 
 
@@ -283,7 +286,7 @@ def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5 text fields (transformers' Qwen3_5TextConfig defaults where a config.json leaves
     one out): Gated DeltaNet layers between gated full-attention layers (every
     ``full_attention_interval``-th), partial rotary, q/k norms."""
-    if model_type != "qwen3_5":
+    if model_type not in ("qwen3_5", "qwen3_5_moe"):
         return {}
     activation = d.get("hidden_act", "silu")
     if activation != "silu":
@@ -313,7 +316,13 @@ def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": int(d.get("linear_value_head_dim") or 128),
         "linear_num_key_heads": int(d.get("linear_num_key_heads") or 16),
         "linear_num_value_heads": int(d.get("linear_num_value_heads") or 32),
-    }
+    } | ({} if model_type == "qwen3_5" else {  # every layer's MLP is routed experts plus a gated shared one
+        "num_experts": int(d.get("num_experts") or 256),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or 8),
+        "moe_intermediate_size": int(d.get("moe_intermediate_size") or 512),
+        "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 512),
+        "norm_topk_prob": True,
+    })
 
 
 _GEMMA3_FULL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig's defaults

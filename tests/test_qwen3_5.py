@@ -487,3 +487,23 @@ def test_quantized_gguf_speculation_matches_plain(with_mtp: LoadedModel, tmp_pat
                        (MTPDrafter(head, q.model, mode="tree", policy=False, head_seconds=0.0), 6)):
         got = generate(q, prompt, drafter, k, max_tokens=24, ignore_eos=True)
         assert got.ids == truth and got.stats.drafted > 0, drafter.name
+
+
+# ------------------------------------------------------------------------- Qwen3.5-MoE
+
+
+def test_moe_matches_transformers_and_speculates_losslessly(tmp_path: Path) -> None:
+    """qwen3_5_moe: the hybrid layers with routed experts and a gated shared expert in every layer
+    (stacked experts in the checkpoint, split at load)."""
+    folder = make_tiny_hf_model(tmp_path, "qwen3_5_moe_text", seed=4)
+    moe = load_model(str(folder), dtype="float32", max_context=256)
+    assert moe.config.model_type == "qwen3_5_moe" and moe.config.num_experts == 4 and moe.config.norm_topk_prob
+    ids = moe.tokenizer.encode(TEXT)[:40]
+    assert (logits(moe, ids) - reference_logits(load_reference(folder), ids)).abs().max() < 1e-4
+    case = make_case(moe, TEXT[:60], 20)
+    for kind, k in (("partly", 3), ("coin", 4)):
+        check_scripted(case, kind, k)
+    reqs = requests(moe, 3)
+    got = together(Engine(moe.model, moe.tokenizer, max_sequences=2), moe, reqs)
+    for i, r in enumerate(reqs):
+        assert got[i] == alone(moe, r), f"request {i} ({r.drafter})"

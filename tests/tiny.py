@@ -83,6 +83,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "layer_types": ["linear_attention", "full_attention", "linear_attention"],
     },
 }
+# Qwen3.5-MoE: the same hybrid layers, each MLP four routed experts (top 2) and a gated shared one
+# (widths of 64: element-wise SiLU stays batch invariant, see quickdraft.models.moe.rowwise).
+_ARCH_DEFAULTS["qwen3_5_moe_text"] = _ARCH_DEFAULTS["qwen3_5_text"] | {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+}
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
 

@@ -22,7 +22,6 @@ in a prefill chunk, a verification chain, a tree or a pass over several sequence
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +35,14 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
 from quickdraft.models.gemma3 import GemmaRMSNorm
 from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
+from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts
 from quickdraft.models.phi3 import PartialRope
 
 if TYPE_CHECKING:
     from quickdraft.speculative.eagle3.head import DraftHead
 
 # checkpoint names -> the model's (a vision-language checkpoint's text model), and what is not loaded
-CHECKPOINT_RENAMES = ((re.compile(r"^model\.language_model\."), "model."),)
+CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
 CHECKPOINT_SKIP = ("model.visual.", "mtp.")
 
 
@@ -177,7 +177,12 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, index)
         else:
             self.self_attn = GatedAttention(cfg, rope)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module
+        if cfg.num_experts:  # qwen3_5_moe: routed experts (softmax top-k, renormalised) and a gated shared one
+            check_moe_config(cfg)
+            self.mlp = SparseMoE(cfg, "softmax_topk", shared_expert_gate=True)
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -243,11 +248,10 @@ class CausalLM(causal_lm.CausalLM):
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision
-        tower, no multi-token-prediction layers."""
+        tower, stacked experts split per expert; the multi-token-prediction layers kept aside
+        (:meth:`mtp_head`)."""
         self.mtp_weights = {}
-        for name, tensor in tensors:
-            for pattern, repl in CHECKPOINT_RENAMES:
-                name = pattern.sub(repl, name)
+        for name, tensor in convert_expert_layouts(tensors, CHECKPOINT_RENAMES):  # (stacked experts split)
             if name.startswith("mtp."):
                 self.mtp_weights[name.removeprefix("mtp.")] = tensor
             elif not name.startswith(CHECKPOINT_SKIP):
