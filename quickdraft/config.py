@@ -265,6 +265,7 @@ def _llama4_text_config(d: dict[str, Any]) -> dict[str, Any]:
 _TEXT_MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
                 "qwen3_5_moe_text": "qwen3_5_moe"}
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (models/qwen3_5.py)
 
 
 def _text_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -283,10 +284,10 @@ def _text_config(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5 text fields (transformers' Qwen3_5TextConfig defaults where a config.json leaves
-    one out): Gated DeltaNet layers between gated full-attention layers (every
-    ``full_attention_interval``-th), partial rotary, q/k norms."""
-    if model_type not in ("qwen3_5", "qwen3_5_moe"):
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text fields (transformers' config defaults where a
+    config.json leaves one out): Gated DeltaNet layers between gated full-attention layers (every
+    ``full_attention_interval``-th), partial rotary, q/k norms, and the MoE families' experts."""
+    if model_type not in HYBRID_TYPES:
         return {}
     activation = d.get("hidden_act", "silu")
     if activation != "silu":
@@ -316,12 +317,15 @@ def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": int(d.get("linear_value_head_dim") or 128),
         "linear_num_key_heads": int(d.get("linear_num_key_heads") or 16),
         "linear_num_value_heads": int(d.get("linear_num_value_heads") or 32),
-    } | ({} if model_type == "qwen3_5" else {  # every layer's MLP is routed experts plus a gated shared one
-        "num_experts": int(d.get("num_experts") or 256),
-        "num_experts_per_tok": int(d.get("num_experts_per_tok") or 8),
+    } | ({} if model_type == "qwen3_5" else {  # MLPs of routed experts plus a gated shared one
+        "num_experts": int(d.get("num_experts") or (512 if model_type == "qwen3_next" else 256)),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or (10 if model_type == "qwen3_next" else 8)),
         "moe_intermediate_size": int(d.get("moe_intermediate_size") or 512),
         "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 512),
-        "norm_topk_prob": True,
+        "norm_topk_prob": bool(d.get("norm_topk_prob", True)),
+        # qwen3_next: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not listed
+        "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
     })
 
 

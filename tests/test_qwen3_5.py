@@ -492,12 +492,17 @@ def test_quantized_gguf_speculation_matches_plain(with_mtp: LoadedModel, tmp_pat
 # ------------------------------------------------------------------------- Qwen3.5-MoE
 
 
-def test_moe_matches_transformers_and_speculates_losslessly(tmp_path: Path) -> None:
-    """qwen3_5_moe: the hybrid layers with routed experts and a gated shared expert in every layer
-    (stacked experts in the checkpoint, split at load)."""
-    folder = make_tiny_hf_model(tmp_path, "qwen3_5_moe_text", seed=4)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_next"])
+def test_moe_families_match_transformers_and_speculate_losslessly(tmp_path: Path, model_type: str) -> None:
+    """qwen3_5_moe: the hybrid layers with routed experts and a gated shared expert in every layer;
+    qwen3_next: the same family with fused in_proj_qkvz / in_proj_ba (regrouped at load) and
+    sparse layers every second one (a dense MLP between)."""
+    folder = make_tiny_hf_model(tmp_path, model_type, seed=4)
     moe = load_model(str(folder), dtype="float32", max_context=256)
-    assert moe.config.model_type == "qwen3_5_moe" and moe.config.num_experts == 4 and moe.config.norm_topk_prob
+    assert moe.config.model_type == model_type.removesuffix("_text") and moe.config.num_experts == 4
+    layers = moe.model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == (
+        ["SparseMoE"] * 3 if model_type == "qwen3_5_moe_text" else ["MLP", "SparseMoE", "MLP"])
     ids = moe.tokenizer.encode(TEXT)[:40]
     assert (logits(moe, ids) - reference_logits(load_reference(folder), ids)).abs().max() < 1e-4
     case = make_case(moe, TEXT[:60], 20)

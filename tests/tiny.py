@@ -88,6 +88,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 _ARCH_DEFAULTS["qwen3_5_moe_text"] = _ARCH_DEFAULTS["qwen3_5_text"] | {
     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
 }
+# Qwen3-Next: the same, with fused in_proj_qkvz / in_proj_ba and sparse layers every second one.
+_ARCH_DEFAULTS["qwen3_next"] = _ARCH_DEFAULTS["qwen3_5_moe_text"] | {"decoder_sparse_step": 2}
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
 

@@ -169,7 +169,7 @@ class GatedAttention(Attention):
 class DecoderLayer(nn.Module):
     """``index``: the layer's place among its kind (its KV layer, or its recurrent state)."""
 
-    def __init__(self, cfg: ModelConfig, rope: Rope, linear: bool, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: Rope, linear: bool, index: int, sparse: bool = False) -> None:
         super().__init__()
         self.index = index
         self.linear = linear
@@ -178,7 +178,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, rope)
         self.mlp: nn.Module
-        if cfg.num_experts:  # qwen3_5_moe: routed experts (softmax top-k, renormalised) and a gated shared one
+        if sparse:  # routed experts (softmax top-k, renormalised) and a gated shared one
             check_moe_config(cfg)
             self.mlp = SparseMoE(cfg, "softmax_topk", shared_expert_gate=True)
         else:
@@ -193,6 +193,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def is_sparse(cfg: ModelConfig, i: int) -> bool:
+    """Whether layer ``i`` (0 for the MTP layer) has routed experts instead of a dense MLP."""
+    return bool(cfg.num_experts) and i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0
+
+
 def _linear_layers(cfg: ModelConfig) -> list[bool]:
     assert cfg.layer_types is not None
     return [t == LINEAR_ATTENTION for t in cfg.layer_types]
@@ -205,7 +210,8 @@ class _Backbone(nn.Module):
         self.rope = PartialRope(cfg, max_len)
         linear = _linear_layers(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rope, lin, sum(1 for j in range(i) if linear[j] == lin)) for i, lin in enumerate(linear)
+            DecoderLayer(cfg, self.rope, lin, sum(1 for j in range(i) if linear[j] == lin), is_sparse(cfg, i))
+            for i, lin in enumerate(linear)
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -251,10 +257,33 @@ class CausalLM(causal_lm.CausalLM):
         tower, stacked experts split per expert; the multi-token-prediction layers kept aside
         (:meth:`mtp_head`)."""
         self.mtp_weights = {}
-        for name, tensor in convert_expert_layouts(tensors, CHECKPOINT_RENAMES):  # (stacked experts split)
+        for name, tensor in self._split_fused(convert_expert_layouts(tensors, CHECKPOINT_RENAMES)):
             if name.startswith("mtp."):
                 self.mtp_weights[name.removeprefix("mtp.")] = tensor
             elif not name.startswith(CHECKPOINT_SKIP):
+                yield name, tensor
+
+    def _split_fused(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Qwen3-Next's fused projections as Qwen3.5's: ``in_proj_qkvz`` holds per q/k head group
+        [q, k, v (nv/nk heads), z (nv/nk heads)] and ``in_proj_ba`` [b, a] (nv/nk each); their rows
+        regrouped into in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a."""
+        cfg = self.config
+        nk, dk, dv, rep = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                           cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1))
+        for name, tensor in tensors:
+            if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")) and not isinstance(tensor, torch.Tensor):
+                raise QuickdraftError(f"{name} is block-quantized; Qwen3-Next's fused projections load from safetensors only")
+            if name.endswith("in_proj_qkvz.weight"):
+                q, k, v, z = tensor.reshape(nk, -1, tensor.shape[-1]).split([dk, dk, rep * dv, rep * dv], dim=1)
+                prefix = name.removesuffix("in_proj_qkvz.weight")
+                yield prefix + "in_proj_qkv.weight", torch.cat([x.reshape(-1, tensor.shape[-1]) for x in (q, k, v)])
+                yield prefix + "in_proj_z.weight", z.reshape(-1, tensor.shape[-1])
+            elif name.endswith("in_proj_ba.weight"):
+                b, a = tensor.reshape(nk, 2 * rep, -1).split([rep, rep], dim=1)
+                prefix = name.removesuffix("in_proj_ba.weight")
+                yield prefix + "in_proj_b.weight", b.reshape(-1, tensor.shape[-1])
+                yield prefix + "in_proj_a.weight", a.reshape(-1, tensor.shape[-1])
+            else:
                 yield name, tensor
 
     def mtp_head(self) -> DraftHead | None:
@@ -267,7 +296,8 @@ class CausalLM(causal_lm.CausalLM):
         from quickdraft.speculative.mtp import MTPHead
 
         cfg = self.config
-        head = MTPHead(self, DecoderLayer(cfg, self.model.rope, linear=False, index=0), GemmaRMSNorm)
+        head = MTPHead(self, DecoderLayer(cfg, self.model.rope, linear=False, index=0, sparse=is_sparse(cfg, 0)),
+                       GemmaRMSNorm)
         head.to(device=self.device, dtype=self.dtype)
         try:
             load_weights(head, self.mtp_weights.items(), tied=False)
