@@ -208,7 +208,7 @@ class PrefixCache:
         elif m < len(work.held) and cache.copyable:
             self._store_working(cache)  # a branch: keep what the truncation would lose
         if drafter is not None:  # a feature drafter holds features for fewer tokens, maybe
-            m = min(m, drafter.covered(prompt))
+            m = cache.rollback_point(min(m, drafter.covered(prompt)))  # (a recurrent state: where it is held)
         cache.truncate(min(m, cache.length))
         work.held = work.held[:m]
         self.stats.requests += 1

@@ -512,3 +512,28 @@ def test_moe_families_match_transformers_and_speculate_losslessly(tmp_path: Path
     got = together(Engine(moe.model, moe.tokenizer, max_sequences=2), moe, reqs)
     for i, r in enumerate(reqs):
         assert got[i] == alone(moe, r), f"request {i} ({r.drafter})"
+
+
+def test_prefix_cache_with_the_mtp_drafter_warm_equals_cold(with_mtp: LoadedModel) -> None:
+    """The cache holds a prompt's state at a checkpoint (64) that the MTP drafter, which last read
+    another prompt sharing 6 tokens, holds no features for: reuse falls back to where both hold
+    theirs (0: no state at 6), never to a length the recurrent state cannot return to."""
+    from quickdraft.speculative.mtp import MTPDrafter
+
+    head = with_mtp.model.mtp_head()
+    assert head is not None
+    vocab = with_mtp.config.vocab_size
+    engine = Engine(with_mtp.model, with_mtp.tokenizer, prefix_cache=PrefixCache(64 * MB))
+
+    def mtp() -> MTPDrafter:
+        return MTPDrafter(head, with_mtp.model, mode="chain", policy=False, head_seconds=0.0)
+
+    drafter = mtp()
+    a = tokens(1, 90, vocab)
+    b = a[:6] + tokens(2, 80, vocab)
+    first = run(engine, a, drafter, 3, GREEDY)  # the drafter holds a's features
+    run(engine, b, None, 0, GREEDY)  # the cache holds b, checkpointed at 64
+    for prompt, cached in ((b, 0), (a + first.ids + tokens(3, 10, vocab), len(a) + len(first.ids) - 1)):
+        warm = run(engine, prompt, drafter, 3, GREEDY)
+        same(warm, run(Engine(with_mtp.model, with_mtp.tokenizer), prompt, mtp(), 3, GREEDY))
+        assert warm.stats.cached_tokens == cached
