@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_concurrency import alone, requests, run_to_end, together
+from test_concurrency import Request, alone, make_drafter, requests, run_to_end, together
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
@@ -37,6 +37,7 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache
+from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -537,3 +538,21 @@ def test_prefix_cache_with_the_mtp_drafter_warm_equals_cold(with_mtp: LoadedMode
         warm = run(engine, prompt, drafter, 3, GREEDY)
         same(warm, run(Engine(with_mtp.model, with_mtp.tokenizer), prompt, mtp(), 3, GREEDY))
         assert warm.stats.cached_tokens == cached
+
+
+def test_requests_arriving_together_share_a_prompt_at_its_checkpoints(hybrid: LoadedModel) -> None:
+    """Requests whose prompts share 80 tokens arrive together: the followers wait for the first,
+    then copy its lane up to the last recurrent checkpoint in the shared part (64) and read the
+    rest; every answer == alone."""
+    vocab = hybrid.config.vocab_size
+    system = tokens(4, 80, vocab)
+    reqs = [Request(system + tokens(5 + i, 6, vocab), SamplingParams(max_tokens=8, ignore_eos=True), kind)
+            for i, kind in enumerate(["none", "ngram", "const"])]
+    engine = Engine(hybrid.model, hybrid.tokenizer, max_sequences=3, prefix_cache=PrefixCache(64 << 20))
+    gens = [engine.add(r.prompt, r.params, make_drafter(r.drafter, hybrid), r.k) for r in reqs]
+    assert [g.follows is gens[0] for g in gens] == [False, True, True]
+    got: dict[Any, list[int]] = {g: [] for g in gens}
+    run_to_end(engine, got)
+    assert [g.cached for g in gens] == [0, STATE_EVERY, STATE_EVERY]
+    for g, r in zip(gens, reqs, strict=True):
+        assert got[g] == alone(hybrid, r)
