@@ -96,6 +96,10 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     attn_output_gate: bool = False  # q_proj also yields a gate: attention output * sigmoid(gate)
+    # GPT-OSS experts (quickdraft/models/gpt_oss.py): gate clamped at swiglu_limit, up to
+    # [-limit, limit], activation (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # Value heads in llama.cpp's tiled order (value head j reads q/k head j % nk; GGUF files), not
     # grouped (j reads q/k head j // (nv / nk); Hugging Face checkpoints).
     linear_value_heads_tiled: bool = False
@@ -159,6 +163,7 @@ class ModelConfig:
             cfg.update(_gemma3_fields(str(model_type), d))
             cfg.update(_phi3_fields(str(model_type), d))
             cfg.update(_qwen3_5_fields(str(model_type), d))
+            cfg.update(_gpt_oss_fields(str(model_type), d))
         except KeyError as exc:
             raise QuickdraftError(f"config.json lacks the field {exc}; the model folder looks incomplete") from None
         known = {f.name for f in fields(cls)}
@@ -327,6 +332,30 @@ def _qwen3_5_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
         "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
         "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
     })
+
+
+def _gpt_oss_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS: every MLP routed experts (``num_local_experts``, ``intermediate_size`` wide), biases
+    in attention, layers alternating sliding-window / full attention (transformers' defaults)."""
+    if model_type != "gpt_oss":
+        return {}
+    layers = int(d["num_hidden_layers"])
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+    ]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise QuickdraftError(f"config.json has layer_types {layer_types!r}; expected {layers} of sliding_attention/full_attention")
+    return {
+        "num_experts": _num_experts(d, 128),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or 4),
+        "moe_intermediate_size": int(d["intermediate_size"]),
+        "attention_bias": bool(d.get("attention_bias", True)),
+        "sliding_window": int(d.get("sliding_window") or 128),
+        "layer_types": tuple(str(t) for t in layer_types),
+        "swiglu_alpha": float(d.get("swiglu_alpha") or 1.702),
+        "swiglu_limit": float(d.get("swiglu_limit") or 7.0),
+    }
 
 
 _GEMMA3_FULL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig's defaults

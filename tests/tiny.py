@@ -90,6 +90,18 @@ _ARCH_DEFAULTS["qwen3_5_moe_text"] = _ARCH_DEFAULTS["qwen3_5_text"] | {
 }
 # Qwen3-Next: the same, with fused in_proj_qkvz / in_proj_ba and sparse layers every second one.
 _ARCH_DEFAULTS["qwen3_next"] = _ARCH_DEFAULTS["qwen3_5_moe_text"] | {"decoder_sparse_step": 2}
+# GPT-OSS: sinks, a window (5) shorter than the texts on alternate layers, YaRN, four experts (top 2).
+_ARCH_DEFAULTS["gpt_oss"] = {
+    "head_dim": 16,
+    "num_hidden_layers": 3,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 64,
+    "sliding_window": 5,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+}
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
 

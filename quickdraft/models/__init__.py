@@ -10,7 +10,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "qwen3_5")
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "llama4_text", "qwen3_5_moe", "qwen3_next")  # mixture-of-experts families
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "llama4_text", "qwen3_5_moe", "qwen3_next", "gpt_oss")  # mixture-of-experts families
 ARCHITECTURES: tuple[str, ...] = SUPPORTED + MOE  # what build_model accepts
 _MODULE = {"llama4_text": "llama4", "gemma3_text": "gemma3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5"}  # model_type -> module, where they differ
 

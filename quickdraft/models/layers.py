@@ -340,7 +340,11 @@ class Step:
 
 class Attention(nn.Module):
     """Self-attention over the static cache. ``window``: sliding-window attention (a row sees only
-    the last ``window`` positions, itself included); None = every earlier position."""
+    the last ``window`` positions, itself included); None = every earlier position. ``native``:
+    decode and verify rows may take the native kernels' fused attention (a variant they do not
+    compute, e.g. GPT-OSS's sinks, sets it False)."""
+
+    native = True
 
     def __init__(self, cfg: ModelConfig, rope: Rope, window: int | None = None) -> None:
         super().__init__()
@@ -388,7 +392,7 @@ class Attention(nn.Module):
             n = step.mask.shape[1]
             out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
             return out.transpose(0, 1).reshape(t, self.nh * self.hd)
-        if t <= BLOCKED_MAX_ROWS and cache.k.dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
+        if self.native and t <= BLOCKED_MAX_ROWS and cache.k.dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
             # decode / verify rows: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)
             return ops.attend(

@@ -1,0 +1,162 @@
+"""GPT-OSS: attention sinks, alternating sliding windows, YaRN, clamped-activation experts with
+biases, MXFP4 expert blocks.
+
+Logits equal transformers' (fp32, its eager attention with sinks) on a tiny random model whose
+window (5) is shorter than the texts; every row of any pass is bitwise plain decoding's (sinks
+included), so speculation stays lossless with right / wrong / partly right chains, trees and
+n-grams, and several sequences in one pass; an MXFP4 checkpoint loads to exactly the values of the
+blocks, dequantized in the test from the format's definition.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_concurrency import alone, requests, together
+from test_spec import Case, check_scripted, make_case
+from test_tree import TreeOracle, generate
+from tiny import load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
+
+from quickdraft.engine import Engine
+from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.gpt_oss import SinkAttention
+from quickdraft.speculative.ngram import NGramDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT = (
+    "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i, i * i * i)\n"
+    "class Stack:\n    def push(self, x):\n        self.items.append(x)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", seed=3)
+
+
+@pytest.fixture(scope="module")
+def oss(folder: Path) -> LoadedModel:
+    return load_model(str(folder), dtype="float32", max_context=256)
+
+
+def logits(loaded: LoadedModel, ids: list[int], cache: Any = None) -> torch.Tensor:
+    out, _ = loaded.model(torch.tensor(ids), cache if cache is not None else loaded.model.new_cache())
+    return out
+
+
+def test_logits_match_transformers(oss: LoadedModel, folder: Path) -> None:
+    cfg = oss.config
+    assert cfg.model_type == "gpt_oss" and cfg.num_experts == 4 and cfg.sliding_window == 5
+    assert (cfg.rope_scaling or {}).get("rope_type") == "yarn"
+    ids = oss.tokenizer.encode(TEXT)
+    assert len(ids) > 64
+    want = reference_logits(load_reference(folder), ids)
+    assert (logits(oss, ids) - want).abs().max() < 1e-4
+
+
+def test_the_sinks_matter(oss: LoadedModel) -> None:
+    """Without its sinks the model's logits move far beyond the tolerance above."""
+    ids = oss.tokenizer.encode(TEXT)[:30]
+    base = logits(oss, ids)
+    attn = oss.model.model.layers[1].self_attn
+    assert isinstance(attn, SinkAttention) and not attn.native
+    saved = attn.sinks.detach().clone()
+    with torch.no_grad():
+        attn.sinks.fill_(-1e4)  # a sink no row attends to: plain softmax
+    try:
+        assert (logits(oss, ids) - base).abs().max() > 1e-2
+    finally:
+        with torch.no_grad():
+            attn.sinks.copy_(saved)
+
+
+def test_rows_of_any_pass_are_bitwise_decoding(oss: LoadedModel) -> None:
+    ids = oss.tokenizer.encode(TEXT)[:40]
+    whole = logits(oss, ids)
+    cache = oss.model.new_cache()
+    assert torch.equal(torch.cat([logits(oss, [t], cache) for t in ids]), whole)
+    cache = oss.model.new_cache()
+    assert torch.equal(torch.cat([logits(oss, ids[s : s + 6], cache) for s in range(0, 40, 6)]), whole)
+    cache.truncate(17)  # rollback past the window
+    assert torch.equal(logits(oss, ids[17:], cache), whole[17:])
+
+
+@pytest.fixture(scope="module")
+def case(oss: LoadedModel) -> Case:
+    return make_case(oss, TEXT[:60], 24)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly", "coin"])
+def test_scripted_drafters_match_plain_greedy(case: Case, kind: str, k: int) -> None:
+    check_scripted(case, kind, k)
+
+
+@pytest.mark.parametrize("shape", ["right_last", "right_varied", "wrong"])
+def test_tree_drafters_match_plain_greedy(case: Case, shape: str) -> None:
+    got = generate(case.loaded, case.prompt, TreeOracle(case.truth, case.vocab, shape), 8,
+                   max_tokens=len(case.truth), ignore_eos=True)
+    assert got.ids == case.truth and got.stats.drafted > 0
+
+
+def test_ngram_and_several_sequences(oss: LoadedModel, case: Case) -> None:
+    run = case.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4)
+    assert run.ids == case.truth
+    reqs = requests(oss, 4)
+    got = together(Engine(oss.model, oss.tokenizer, max_sequences=3), oss, reqs)
+    for i, r in enumerate(reqs):
+        assert got[i] == alone(oss, r), f"request {i} ({r.drafter})"
+
+
+# ------------------------------------------------------------------------- MXFP4
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize [..., K] to MXFP4 from the format's definition: per 32 values an E8M0 scale 2^e
+    (the largest |value| / 6 rounded up to a power of two) and each value's nearest FP4 code."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    x = w.reshape(*w.shape[:-1], -1, 32)
+    amax = x.abs().amax(-1).clamp(min=2.0**-100)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    mag = (x.abs() / torch.exp2(e).unsqueeze(-1)).unsqueeze(-1)
+    code = (mag - values).abs().argmin(-1) + 8 * (x < 0)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
+    return packed, (e + 127).to(torch.uint8)
+
+
+def dequant(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    lo, hi = values[(blocks & 15).long()], values[(blocks >> 4).long()]
+    x = torch.stack([lo, hi], -1).flatten(-2) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return x.flatten(-2)
+
+
+def test_mxfp4_checkpoint_loads_the_blocks_values(folder: Path, tmp_path: Path) -> None:
+    """Experts stored as MXFP4 blocks (``*_blocks`` [E, out, K/32, 16], ``*_scales`` [E, out, K/32], as
+    the published GPT-OSS checkpoints) give bitwise the model whose float experts hold the blocks'
+    values; loading says they were dequantized."""
+    weights = load_file(str(folder / "model.safetensors"))
+    quant, exact = dict(weights), dict(weights)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        out_major = weights[name].transpose(1, 2).contiguous()  # [E, out, in]
+        blocks, scales = mxfp4(out_major)
+        del quant[name]
+        quant[name + "_blocks"], quant[name + "_scales"] = blocks, scales
+        exact[name] = dequant(blocks, scales).transpose(1, 2).contiguous()
+    models = []
+    for label, tensors in (("mxfp4", quant), ("float", exact)):
+        out = tmp_path / label
+        write_tokenizer(out)
+        (out / "config.json").write_text((folder / "config.json").read_text())
+        save_file(tensors, str(out / "model.safetensors"))
+        models.append(load_model(str(out), dtype="float32", max_context=256))
+    ids = models[0].tokenizer.encode(TEXT)[:30]
+    assert torch.equal(logits(models[0], ids), logits(models[1], ids))
+    assert any("MXFP4 experts dequantized" in n for n in models[0].model.load_notes)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "gpt_oss"
