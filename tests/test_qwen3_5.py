@@ -39,6 +39,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
+from quickdraft.speculative.tree import DraftTree, tree_mask, tree_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,21 +211,14 @@ def test_tree_pass_and_compact_match_decoding_each_path(hybrid: LoadedModel) -> 
     """Each row of a tree pass continues its parent's state: its logits are plain decoding's of its
     own path; compact() keeps a path's state, and the next pass continues from it."""
     ids = hybrid.tokenizer.encode(TEXT)
-    prefix = ids[:12]
+    prefix, start = ids[:12], 12
+    # rows [r, a, b, c, d]: a, b children of the root r; c of a; d of c
+    draft = DraftTree(tokens=torch.tensor([11, 12, 13, 14]), parents=torch.tensor([-1, -1, 0, 2]))
     toks = [ids[12], 11, 12, 13, 14]
-    parents = [-1, 0, 0, 1, 3]  # rows [r, a, b, c, d]: a, b children of r; c of a; d of c
-    depth = [0, 1, 1, 2, 3]
-    n, start = len(toks), len(prefix)
-    mask = torch.zeros(n, start + n, dtype=torch.bool)
-    mask[:, :start] = True
-    for row in range(n):
-        node = row
-        while node != -1:
-            mask[row, start + node] = True
-            node = parents[node]
     cache = hybrid.model.new_cache()
     logits(hybrid, prefix, cache)
-    tree, _ = hybrid.model(torch.tensor(toks), cache, positions=torch.tensor([start + d for d in depth]), mask=mask)
+    tree, _ = hybrid.model(torch.tensor(toks), cache, positions=tree_positions(start, draft),
+                           mask=tree_mask(start, draft))
     paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 3, 4]}
     for row, path in paths.items():
         assert torch.equal(tree[row], logits(hybrid, prefix + [toks[r] for r in path])[-1]), row

@@ -26,9 +26,9 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models import causal_lm
+from quickdraft.models import causal_lm, layers
 from quickdraft.models.gemma3 import is_sliding
-from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, embedding, linear_group
 from quickdraft.models.moe import SparseMoE, check_moe_config, rowwise
 
 # FP4 (E2M1) values of the 16 codes (MXFP4, the OCP Microscaling spec)
@@ -94,21 +94,18 @@ class Expert(nn.Module):
         return self.down_proj((up + 1) * glu)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(layers.DecoderLayer):
+    """The Llama layer (pre-norm residuals) with sink attention and the experts as its MLP (built
+    on the meta device at load, so the parts replaced cost nothing)."""
+
     def __init__(self, cfg: ModelConfig, rope: Rope, window: int | None) -> None:
-        super().__init__()
+        super().__init__(cfg, rope)
         self.self_attn = SinkAttention(cfg, rope, window)
         check_moe_config(cfg)
         moe = SparseMoE(cfg, "topk_softmax")
         moe.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=True)
         moe.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
         self.mlp = moe
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), layer, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _Backbone(nn.Module):

@@ -448,7 +448,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: Rope) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rope)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)  # (MoE families put their experts here)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
