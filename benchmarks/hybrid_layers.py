@@ -7,7 +7,9 @@ No Qwen3.5 checkpoint is installable here (the pinned packages in ../shared/MODE
 so the weights are random (fp32, the torch path: Qwen3.5's layers have no native kernels yet).
 Shapes: Qwen3.5-0.8B's (hidden 1024, 8 heads x 256 with 2 KV heads, 16 x 128 linear q/k and value
 heads, intermediate 3584) unless given. Timings alternate the two layer types pass by pass, median
-of ``--repeats``; JSON with the command and versions goes to benchmarks/results/hybrid/.
+of ``--repeats``; then a 1-row pass of the whole model against one of an MTP head of its layout
+(what ``--draft mtp`` costs per drafted token). JSON with the command and versions goes to
+benchmarks/results/hybrid/.
 
     .venv/bin/python benchmarks/hybrid_layers.py [--layers 8] [--repeats 15]
 """
@@ -86,6 +88,38 @@ def time_layers(model: CausalLM, context: int, rows: int, repeats: int) -> dict[
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def time_mtp(model: CausalLM, context: int, repeats: int) -> tuple[float, float]:
+    """Median ms of a 1-row pass of the whole target and of its MTP head (random weights, the
+    checkpoint's layout: fc, two norms, one gated-attention layer, norm, the target's lm_head)."""
+    from quickdraft.models.gemma3 import GemmaRMSNorm
+    from quickdraft.models.qwen3_5 import DecoderLayer
+    from quickdraft.speculative.mtp import MTPHead
+
+    cfg = model.config
+    head = MTPHead(model, DecoderLayer(cfg, model.model.rope, linear=False, index=0), GemmaRMSNorm)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    ids = torch.randint(0, cfg.vocab_size, (context + 1,))
+    cache = model.make_cache(context + 2)
+    model.prefill(ids[:context], cache)
+    hcache = head.new_cache(context + 2)
+    feats = torch.randn(context + 1, cfg.hidden_size)
+    head(feats[:context], feats[:context], hcache)
+    target_ms, head_ms = [], []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids[context:], cache)
+            target_ms.append((time.perf_counter() - t0) * 1e3)
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            head(feats[context:], feats[context:], hcache)
+            head_ms.append((time.perf_counter() - t0) * 1e3)
+            hcache.truncate(context)
+    return statistics.median(target_ms), statistics.median(head_ms)
+
+
 def decode(model: CausalLM, tokenizer: Tokenizer, prompt: list[int], tokens: int, k: int) -> tuple[float, float]:
     engine = Engine(model, tokenizer)
     drafter = NGramDrafter(max_ngram=3, min_ngram=1) if k else None
@@ -112,6 +146,9 @@ def main() -> None:
             table.append({"context": context, "rows": rows, "linear_ms": ms[LINEAR_ATTENTION], "full_ms": ms[FULL_ATTENTION]})
             print(f"context {context:5d}, {rows} rows: Gated DeltaNet layer {ms[LINEAR_ATTENTION]:7.2f} ms, "
                   f"gated attention layer {ms[FULL_ATTENTION]:7.2f} ms", flush=True)
+    target_ms, head_ms = time_mtp(model, 128, args.repeats)
+    print(f"1-row pass after 128 tokens: the {args.layers}-layer target {target_ms:.1f} ms, its MTP head {head_ms:.1f} ms "
+          f"({head_ms / target_ms:.2f}x; the head shares the target's output head)", flush=True)
     prompt = (list(range(100, 160)) * 3)[:160]  # repeats: the n-grams find matches in the prompt
     plain, _ = decode(model, tokenizer, prompt, 48, 0)
     spec, tau = decode(model, tokenizer, prompt, 48, 4)
@@ -119,7 +156,8 @@ def main() -> None:
           f"(tau {tau:.2f}, random weights: drafts rarely right)")
     OUT.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([sys.executable, *sys.argv]), "environment": environment(), "config": cfg.to_json_dict(),
-              "layers": table, "decode": {"plain_tok_s": plain, "ngram_tok_s": spec, "ngram_tau": tau}}
+              "layers": table, "mtp_pass_ms": {"target": target_ms, "head": head_ms},
+              "decode": {"plain_tok_s": plain, "ngram_tok_s": spec, "ngram_tau": tau}}
     (OUT / f"{args.name}.json").write_text(json.dumps(result, indent=2))
     print(f"saved {OUT / (args.name + '.json')}")
 

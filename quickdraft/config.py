@@ -138,6 +138,12 @@ class ModelConfig:
         model_type = d.get("model_type")
         if not model_type:
             raise QuickdraftError("config.json has no 'model_type'; is this a Hugging Face model folder?")
+        from quickdraft.models import ARCHITECTURES  # (imports this module)
+
+        if model_type not in ARCHITECTURES:  # before its fields: a nested config (gemma4) has none at the top
+            raise QuickdraftError(
+                f"architecture {model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
