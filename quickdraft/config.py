@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -132,18 +133,15 @@ class ModelConfig:
         return cls(**values)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed Hugging Face ``config.json``."""
+    def from_hf_dict(cls, d: dict[str, Any], supported: Sequence[str] | None = None) -> ModelConfig:
+        """Build from a parsed Hugging Face ``config.json``; ``supported``: the model types that may
+        be built (others are refused by name, before their fields are read)."""
         d = _text_config(_llama4_text_config(d))
         model_type = d.get("model_type")
         if not model_type:
             raise QuickdraftError("config.json has no 'model_type'; is this a Hugging Face model folder?")
-        from quickdraft.models import ARCHITECTURES  # (imports this module)
-
-        if model_type not in ARCHITECTURES:  # before its fields: a nested config (gemma4) has none at the top
-            raise QuickdraftError(
-                f"architecture {model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
-            )
+        if supported is not None and model_type not in supported:  # before its fields: a nested config has none at the top
+            raise QuickdraftError(f"architecture {model_type!r} is not supported; supported: {', '.join(supported)}")
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.models import ARCHITECTURES
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -18,7 +19,7 @@ def read_config(folder: Path) -> ModelConfig:
     if not path.is_file():
         raise QuickdraftError(f"{folder} has no config.json; pass a Hugging Face model folder or a .gguf file")
     try:
-        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()), supported=ARCHITECTURES)
     except json.JSONDecodeError as exc:
         raise QuickdraftError(f"{path} is not valid JSON: {exc}") from None
 
