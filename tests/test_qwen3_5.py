@@ -38,6 +38,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
+from quickdraft.speculative.mtp import mtp_head
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.tree import DraftTree, tree_mask, tree_positions
 
@@ -139,7 +140,7 @@ def test_vision_language_checkpoint_runs_its_text_model(tmp_path: Path, folders:
     assert vl.config.model_type == "qwen3_5" and vl.config.layer_types == (LIN, FULL, LIN)
     assert vl.config.layer_pattern() == "3 layers: 2 linear_attention + 1 full_attention (every 2nd)"
     # its MTP tensors are not Qwen3.5's layout (a lone fc): the model runs without them, and says so
-    assert vl.model.mtp_head() is None and hybrid.model.mtp_head() is None
+    assert mtp_head(vl.model) is None and mtp_head(hybrid.model) is None
     assert len(vl.model.load_notes) == 1 and "layout quickdraft does not know" in vl.model.load_notes[0]
     assert "lacks 14 tensor(s)" in vl.model.load_notes[0] and hybrid.model.load_notes == []
     ids = hybrid.tokenizer.encode(TEXT)[:40]
@@ -378,7 +379,7 @@ def reference_chain(ref: Any, mtp: dict[str, torch.Tensor], context: list[int], 
 def test_mtp_proposals_equal_the_equations_step_by_step(with_mtp: LoadedModel, folders: dict[str, Path]) -> None:
     from quickdraft.speculative.mtp import MTPDrafter
 
-    head = with_mtp.model.mtp_head()
+    head = mtp_head(with_mtp.model)
     assert head is not None and with_mtp.model.load_notes == []
     drafter = MTPDrafter(head, with_mtp.model, mode="chain", policy=False, head_seconds=0.0)
     rec = Recorder(drafter)
@@ -396,7 +397,7 @@ def test_mtp_proposals_equal_the_equations_step_by_step(with_mtp: LoadedModel, f
 def test_mtp_drafting_matches_plain_greedy(with_mtp: LoadedModel, mode: str) -> None:
     from quickdraft.speculative.mtp import MTPDrafter
 
-    head = with_mtp.model.mtp_head()
+    head = mtp_head(with_mtp.model)
     assert head is not None
     prompt = with_mtp.tokenizer.encode(TEXT[:60])
     truth = generate(with_mtp, prompt, max_tokens=30, ignore_eos=True).ids
@@ -454,7 +455,7 @@ def test_gguf_matches_transformers_and_carries_its_mtp_layer(with_mtp: LoadedMod
     prompt = g.tokenizer.encode(TEXT[:50])
     logs = []
     for loaded in (with_mtp, g):
-        head = loaded.model.mtp_head()
+        head = mtp_head(loaded.model)
         assert head is not None
         drafter = MTPDrafter(head, loaded.model, mode="chain", policy=False, head_seconds=0.0)
         rec = Recorder(drafter)
@@ -475,7 +476,7 @@ def test_quantized_gguf_speculation_matches_plain(with_mtp: LoadedModel, tmp_pat
     assert isinstance(q.model.model.layers[0].linear_attn.in_proj_qkv, GGMLLinear)
     prompt = tokens(5, 60, q.config.vocab_size)
     truth = generate(q, prompt, max_tokens=24, ignore_eos=True).ids
-    head = q.model.mtp_head()
+    head = mtp_head(q.model)
     assert head is not None and isinstance(head.fc, GGMLLinear)
     for drafter, k in ((NGramDrafter(max_ngram=3, min_ngram=1), 4),
                        (MTPDrafter(head, q.model, mode="chain", policy=False, head_seconds=0.0), 3),
@@ -515,7 +516,7 @@ def test_prefix_cache_with_the_mtp_drafter_warm_equals_cold(with_mtp: LoadedMode
     theirs (0: no state at 6), never to a length the recurrent state cannot return to."""
     from quickdraft.speculative.mtp import MTPDrafter
 
-    head = with_mtp.model.mtp_head()
+    head = mtp_head(with_mtp.model)
     assert head is not None
     vocab = with_mtp.config.vocab_size
     engine = Engine(with_mtp.model, with_mtp.tokenizer, prefix_cache=PrefixCache(64 * MB))

@@ -30,7 +30,7 @@ from quickdraft.speculative.draft_model import (
 )
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
-from quickdraft.speculative.mtp import MTPDrafter
+from quickdraft.speculative.mtp import MTPDrafter, mtp_head
 from quickdraft.speculative.policy import (
     Acceptance,
     AutoDrafter,
@@ -108,7 +108,7 @@ def _base_drafters(
     """(drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or
     None) for each drafter in play."""
     out: list[tuple[Drafter, float, float, TargetCost | None]] = []
-    mtp = target.model.mtp_head() if cfg.draft in ("auto", MTP) else None
+    mtp = mtp_head(target.model) if cfg.draft in ("auto", MTP) else None
     if cfg.draft == MTP and mtp is None:
         raise QuickdraftError(
             f"--draft mtp: {target.path} carries no multi-token-prediction layers (mtp.* tensors) quickdraft can "

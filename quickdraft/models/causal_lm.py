@@ -12,7 +12,7 @@ are switched by :class:`ModelConfig` fields.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,9 +33,6 @@ from quickdraft.models.layers import (
     prefill_chunks,
 )
 from quickdraft.models.native import NativeStack
-
-if TYPE_CHECKING:
-    from quickdraft.speculative.eagle3.head import DraftHead
 
 
 class DenseBackbone(nn.Module):
@@ -71,14 +68,16 @@ class CausalLM(nn.Module):
         self._native = NativeStack()
         self._vocab_subset: tuple[torch.Tensor, nn.Module] | None = None  # set_output_vocab
         self.load_notes: list[str] = []  # what loading left out of the checkpoint, for the start-up lines
+        self.mtp_weights: dict[str, Any] = {}  # the checkpoint's multi-token-prediction tensors (mtp_layer)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def mtp_head(self) -> DraftHead | None:
-        """The checkpoint's own multi-token-prediction layer as a draft head (``--draft mtp``), or
-        None where the family has none or the checkpoint carried none."""
+    def mtp_layer(self) -> tuple[nn.Module, type[nn.Module]] | None:
+        """The family's multi-token-prediction decoder layer (new, for :attr:`mtp_weights`' ``layers.0.*``)
+        and its RMSNorm class, where the checkpoint carried MTP tensors; else None. The draft head
+        around it: :func:`quickdraft.speculative.mtp.mtp_head`."""
         return None
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:

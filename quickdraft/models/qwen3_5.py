@@ -23,7 +23,7 @@ in a prefill chunk, a verification chain, a tree or a pass over several sequence
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +37,6 @@ from quickdraft.models.gemma3 import GemmaRMSNorm
 from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts
 from quickdraft.models.phi3 import PartialRope
-
-if TYPE_CHECKING:
-    from quickdraft.speculative.eagle3.head import DraftHead
 
 # checkpoint names -> the model's (a vision-language checkpoint's text model), and what is not loaded
 CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
@@ -222,11 +219,6 @@ class CausalLM(causal_lm.CausalLM):
 
     backbone = _Backbone
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
-        super().__init__(cfg, max_len)
-        self.mtp_weights: dict[str, Any] = {}  # the checkpoint's mtp.* tensors (names without the prefix)
-        self._mtp: DraftHead | None = None
-
     def recurrent_shape(self) -> RecurrentShape:
         cfg = self.config
         return RecurrentShape(
@@ -255,7 +247,7 @@ class CausalLM(causal_lm.CausalLM):
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision
         tower, stacked experts split per expert; the multi-token-prediction layers kept aside
-        (:meth:`mtp_head`)."""
+        (:meth:`mtp_layer`)."""
         self.mtp_weights = {}
         for name, tensor in self._split_fused(convert_expert_layouts(tensors, CHECKPOINT_RENAMES)):
             if name.startswith("mtp."):
@@ -286,25 +278,9 @@ class CausalLM(causal_lm.CausalLM):
             else:
                 yield name, tensor
 
-    def mtp_head(self) -> DraftHead | None:
-        """The checkpoint's MTP layer (``mtp.*``: fc, two pre-fc norms, one gated-attention decoder
-        layer, a norm), built once; None (and a load note) where there is none or its layout is
-        not that one."""
-        if self._mtp is not None or not self.mtp_weights:
-            return self._mtp
-        from quickdraft.loading.weights import load_weights
-        from quickdraft.speculative.mtp import MTPHead
-
-        cfg = self.config
-        head = MTPHead(self, DecoderLayer(cfg, self.model.rope, linear=False, index=0, sparse=is_sparse(cfg, 0)),
-                       GemmaRMSNorm)
-        head.to(device=self.device, dtype=self.dtype)
-        try:
-            load_weights(head, self.mtp_weights.items(), tied=False)
-        except QuickdraftError as exc:
-            self.load_notes.append(f"the checkpoint's multi-token-prediction tensors have a layout quickdraft does "
-                                   f"not know ({exc}): the model runs without them")
-            self.mtp_weights = {}
+    def mtp_layer(self) -> tuple[nn.Module, type[nn.Module]] | None:
+        """Qwen3.5's MTP layer: one gated-attention decoder layer (sparse like layer 0 of an MoE model)."""
+        if not self.mtp_weights:
             return None
-        self._mtp = head.eval()
-        return head
+        cfg = self.config
+        return DecoderLayer(cfg, self.model.rope, linear=False, index=0, sparse=is_sparse(cfg, 0)), GemmaRMSNorm

@@ -19,11 +19,13 @@ final-norm input captured as the feature.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from quickdraft.errors import QuickdraftError
 from quickdraft.models.layers import Attention, Linear
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter
 from quickdraft.speculative.eagle3.head import DraftHead, Eagle3Config
@@ -80,6 +82,32 @@ class MTPHead(DraftHead):
     def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         z = self.norm(h)
         return self._target[0].lm_head(z if rows is None else z.index_select(0, rows)), z
+
+
+_HEADS: weakref.WeakKeyDictionary[nn.Module, MTPHead] = weakref.WeakKeyDictionary()
+
+
+def mtp_head(target: CausalLM) -> MTPHead | None:
+    """The target checkpoint's MTP layer as a draft head (built once per target), or None where
+    it has none; MTP tensors of a layout it does not fit are dropped with a load note."""
+    if target in _HEADS:
+        return _HEADS[target]
+    parts = target.mtp_layer()
+    if parts is None:
+        return None
+    from quickdraft.loading.weights import load_weights
+
+    head = MTPHead(target, *parts)
+    head.to(device=target.device, dtype=target.dtype)
+    try:
+        load_weights(head, target.mtp_weights.items(), tied=False)
+    except QuickdraftError as exc:
+        target.load_notes.append(f"the checkpoint's multi-token-prediction tensors have a layout quickdraft does "
+                                 f"not know ({exc}): the model runs without them")
+        target.mtp_weights = {}
+        return None
+    _HEADS[target] = head.eval()
+    return head
 
 
 class MTPDrafter(Eagle3Drafter):
