@@ -551,3 +551,28 @@ def test_requests_arriving_together_share_a_prompt_at_its_checkpoints(hybrid: Lo
     assert [g.cached for g in gens] == [0, STATE_EVERY, STATE_EVERY]
     for g, r in zip(gens, reqs, strict=True):
         assert got[g] == alone(hybrid, r)
+
+
+def test_mtp_with_a_cut_output_vocabulary_stays_lossless(with_mtp: LoadedModel) -> None:
+    """The MTP head's logits cut to a draft vocabulary (as --draft-vocab cuts a draft model's): it
+    proposes only those tokens, and greedy and seeded output stay plain decoding's."""
+    from quickdraft.speculative.mtp import MTPDrafter, MTPHead
+
+    full = mtp_head(with_mtp.model)
+    assert full is not None
+    layer = type(full.layers[0])(with_mtp.config, with_mtp.model.model.rope, linear=False, index=0)
+    head = MTPHead(with_mtp.model, layer, type(full.norm))
+    head.load_state_dict(full.state_dict())
+    prompt = with_mtp.tokenizer.encode(TEXT[:60])
+    truth = generate(with_mtp, prompt, max_tokens=30, ignore_eos=True).ids
+    ids = torch.tensor(sorted(set(range(0, 300, 2)) | set(truth[:10])))
+    assert head.cut_vocab(ids) and head.config.draft_vocab_size == len(ids)
+    drafter = MTPDrafter(head, with_mtp.model, mode="chain", policy=False, head_seconds=0.0)
+    rec = Recorder(drafter)
+    got = generate(with_mtp, prompt, drafter, 3, max_tokens=30, ignore_eos=True)
+    assert got.ids == truth and got.stats.drafted > 0
+    assert {t for _, proposal in rec.log for t in proposal} <= set(ids.tolist())
+    seeded = {"temperature": 0.8, "seed": 9}
+    want = generate(with_mtp, prompt, max_tokens=30, ignore_eos=True, **seeded).ids
+    drafter = MTPDrafter(head, with_mtp.model, mode="tree", policy=False, head_seconds=0.0)
+    assert generate(with_mtp, prompt, drafter, 4, max_tokens=30, ignore_eos=True, **seeded).ids == want

@@ -120,7 +120,10 @@ def _base_drafters(
         shape = default_shape(target.model.device)
         if cfg.num_draft is not None:
             shape = dataclasses.replace(shape, max_nodes=cfg.num_draft, max_depth=min(shape.max_depth, cfg.num_draft))
-        say("drafting with the checkpoint's multi-token-prediction layer (mtp)")
+        vocab = restrict_draft_vocab(target, cfg.draft_vocab)  # its output head cut as a draft model's
+        cut = vocab is not None and mtp.cut_vocab(vocab.base)
+        say("drafting with the checkpoint's multi-token-prediction layer (mtp"
+            + (f", output head cut to {mtp.config.draft_vocab_size} tokens)" if cut else ")"))
         out.append((MTPDrafter(mtp, target.model, shape=shape, policy=cfg.num_draft is None), EAGLE_PRIOR, 0.0, None))
         return out
     head = eagle3_head_path(cfg.draft)

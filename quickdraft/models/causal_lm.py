@@ -212,7 +212,6 @@ class CausalLM(nn.Module):
         e.g. a draft model's most frequent tokens (any draft distribution keeps speculation
         lossless). None restores the full head. Returns False (and changes nothing) where the
         model's head cannot be cut this way."""
-        from quickdraft.quant.ggml import GGMLLinear
 
         if ids is None:
             self._vocab_subset = None
@@ -220,20 +219,28 @@ class CausalLM(nn.Module):
         if type(self).logits is not CausalLM.logits:  # a family with its own head (e.g. softcapping)
             return False
         ids = torch.as_tensor(ids, dtype=torch.long).unique()  # sorted
-        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
-            raise ValueError(f"output vocabulary ids must lie in [0, {self.config.vocab_size})")
-        head = self.lm_head
-        sub: nn.Module
-        if isinstance(head, GGMLLinear):
-            sub = head.select_rows(ids)
-        elif type(head) in (Linear, nn.Linear) and head.bias is None:
-            sub = Linear(head.in_features, ids.numel(), bias=False, device=head.weight.device, dtype=head.weight.dtype)
-            with torch.no_grad():
-                sub.weight.copy_(head.weight.index_select(0, ids.to(head.weight.device)))
-        else:
+        sub = self.head_rows(ids)
+        if sub is None:
             return False
         self._vocab_subset = (ids.to(self.device), sub)
         return True
+
+    def head_rows(self, ids: torch.Tensor) -> nn.Module | None:
+        """A new output head computing only rows ``ids`` of this one's (in that order), or None where
+        the head cannot be cut so (a bias, another layer type)."""
+        from quickdraft.quant.ggml import GGMLLinear
+
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"output vocabulary ids must lie in [0, {self.config.vocab_size})")
+        head = self.lm_head
+        if isinstance(head, GGMLLinear):
+            return head.select_rows(ids)
+        if type(head) in (Linear, nn.Linear) and head.bias is None:
+            sub = Linear(head.in_features, ids.numel(), bias=False, device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                sub.weight.copy_(head.weight.index_select(0, ids.to(head.weight.device)))
+            return sub
+        return None
 
 
 CausalLM.backbone = DenseBackbone

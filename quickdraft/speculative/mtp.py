@@ -19,6 +19,7 @@ final-norm input captured as the feature.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,21 @@ class MTPHead(DraftHead):
         self.norm = norm(h, cfg.rms_norm_eps)
         self._target = (target,)  # not a submodule: its parameters are the target's
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+        self.lm_head: nn.Module | None = None  # the target's head cut to a draft vocabulary (cut_vocab)
+
+    def cut_vocab(self, ids: Tensor) -> bool:
+        """Draft only target tokens ``ids`` (e.g. the most frequent ones): the head's logits cover those
+        rows of the target's output head, a fraction of its cost (any draft distribution keeps
+        speculation lossless). False (nothing changed) where the target's head cannot be cut."""
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()
+        sub = self._target[0].head_rows(ids)
+        if sub is None:
+            return False
+        n = int(ids.numel())
+        self.lm_head = sub
+        self.config = dataclasses.replace(self.config, draft_vocab_size=n)
+        self.d2t = (ids - torch.arange(n)).to(self.device)
+        return True
 
     @property
     def dtype(self) -> torch.dtype:  # the target's activations (fc may be a quantized GGUF matrix)
@@ -81,7 +97,8 @@ class MTPHead(DraftHead):
 
     def output(self, h: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         z = self.norm(h)
-        return self._target[0].lm_head(z if rows is None else z.index_select(0, rows)), z
+        head = self.lm_head if self.lm_head is not None else self._target[0].lm_head
+        return head(z if rows is None else z.index_select(0, rows)), z
 
 
 _HEADS: weakref.WeakKeyDictionary[nn.Module, MTPHead] = weakref.WeakKeyDictionary()
