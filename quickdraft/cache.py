@@ -338,6 +338,7 @@ class HybridCache(KVCache):
         self._base_len = 0
         self._base_known = True  # False: a pool's buffer, whose rows continue their lanes' states
         self._parents: list[int] = []  # the last pass's rows' parents (-1: the state at _pass_start) ...
+        self._chain = 0  # ... how many of them, from the first, form a chain from the pass's start ...
         self._pass_start = 0
         self._rows: list[list[State]] = []  # ... and their states, per layer
         self.checkpoints: dict[int, list[State]] = {}
@@ -357,6 +358,7 @@ class HybridCache(KVCache):
         if self._parents:  # the previous pass left no verdict (a prefill's chunks): settle it
             self._settle(self.length, strict=False)
         self._pass_start, self._parents = self.length, list(parents)
+        self._chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
         self._rows = []
 
     def state(self, layer: int) -> State:
@@ -381,10 +383,11 @@ class HybridCache(KVCache):
         """The last pass's row whose state is the one after ``n`` tokens, if its rows up to it are a
         chain from the pass's start; -1: the start itself; None: none."""
         j = n - self._pass_start - 1
-        if self._parents and -1 <= j < len(self._parents) and len(self._rows) == self.shape.layers \
-                and all(self._parents[i] == i - 1 for i in range(j + 1)):
-            return j
-        return None
+        return j if self._complete() and -1 <= j < self._chain else None
+
+    def _complete(self) -> bool:
+        """Whether a pass's rows are all recorded (every linear-attention layer's)."""
+        return bool(self._parents) and len(self._rows) == self.shape.layers
 
     def _state_at(self, n: int) -> tuple[bool, list[State] | None]:
         """(found, the state after ``n`` tokens) from what the cache holds."""
@@ -405,16 +408,15 @@ class HybridCache(KVCache):
                 f"cannot roll a recurrent state back to {n} tokens: this cache holds it only at "
                 f"{self.rollback_point(n)} (the last pass's rows and every {STATE_EVERY}th token)"
             )
-        if self._parents:
-            for j in range(len(self._parents)):
-                at = self._pass_start + j + 1
-                if at <= n and at % STATE_EVERY == 0 and self._chain_end(at) == j:
-                    self._checkpoint(at, self.row_states(j))
+        if self._complete():  # the multiples of STATE_EVERY its chain rows reached
+            first = (self._pass_start // STATE_EVERY + 1) * STATE_EVERY
+            for at in range(first, min(n, self._pass_start + self._chain) + 1, STATE_EVERY):
+                self._checkpoint(at, self.row_states(at - self._pass_start - 1))
         self._set_base(states if found else None, n, known=found)
 
     def _set_base(self, states: list[State] | None, n: int, known: bool = True) -> None:
         self._base, self._base_len, self._base_known = states, n, known
-        self._parents, self._rows = [], []
+        self._parents, self._rows, self._chain = [], [], 0
         self.checkpoints = {c: s for c, s in self.checkpoints.items() if c <= n}
         if known and states is not None and n % STATE_EVERY == 0:
             self._checkpoint(n, states)
@@ -427,9 +429,8 @@ class HybridCache(KVCache):
         m = max(0, min(m, self.length))
         known = [0, *self.checkpoints]
         if self._parents:
-            chain = next((i for i, p in enumerate(self._parents) if p != i - 1), len(self._parents))
-            if len(self._rows) == self.shape.layers:
-                known += range(self._pass_start + 1, self._pass_start + chain + 1)
+            if self._complete():
+                known += range(self._pass_start + 1, self._pass_start + self._chain + 1)
             if self._base_known:
                 known.append(self._pass_start)
         elif self._base_known:
@@ -443,7 +444,7 @@ class HybridCache(KVCache):
         self.length = n
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
-        if not self._parents or start != self._pass_start or len(self._rows) != self.shape.layers:
+        if not self._complete() or start != self._pass_start:
             raise QuickdraftError("compact() keeps rows of the last pass; this cache has none from that start")
         path = keep.tolist()
         states = self.row_states(path[-1]) if path else self._base
