@@ -62,23 +62,43 @@ def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
 State = tuple[torch.Tensor, torch.Tensor]  # a linear-attention layer's (conv window [C, K-1], matrix [Hv, Dk, Dv])
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """Where each layer's keys and values live: storage ``groups`` of one shape each
+    ``(layers, kv_heads, head_dim)``, and for every model layer its ``place`` (group, index in
+    it). Most models have one group and layer i at (0, i). Models whose layers differ in head
+    size or count (Gemma 4's full-attention layers) have one group per shape; a layer that reuses
+    an earlier layer's keys and values (Gemma 4's KV sharing) has that layer's place and writes
+    nothing (:attr:`writes`)."""
+
+    groups: tuple[tuple[int, int, int], ...]
+    places: tuple[tuple[int, int], ...]
+    writes: tuple[bool, ...]
+
+    @staticmethod
+    def uniform(num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
+        return KVLayout(((num_layers, num_kv_heads, head_dim),), tuple((0, i) for i in range(num_layers)),
+                        (True,) * num_layers)
+
+
 @dataclass
 class CacheSnapshot:
     """A cache's first ``length`` slots (and, for a :class:`HybridCache`, its recurrent states at the
     lengths in ``states``), copied to host memory or viewing a live cache."""
 
-    k: torch.Tensor  # [L, Hkv, n, D]
-    v: torch.Tensor
+    keys: list[torch.Tensor]  # per storage group [L, Hkv, n, D]
+    values: list[torch.Tensor]
     states: dict[int, list[State]] | None = None  # None: no recurrent layers (any length restores)
     nbytes: int = field(default=0)
 
     def __post_init__(self) -> None:
         if not self.nbytes:
-            self.nbytes = _nbytes([self.k, self.v]) + sum(_nbytes([t for st in s for t in st]) for s in (self.states or {}).values())
+            self.nbytes = _nbytes(self.keys + self.values) + sum(
+                _nbytes([t for st in s for t in st]) for s in (self.states or {}).values())
 
     @property
     def length(self) -> int:
-        return int(self.k.shape[2])
+        return int(self.keys[0].shape[2])
 
     def point(self, m: int) -> int:
         """The longest prefix of at most ``m`` tokens this snapshot can restore."""
@@ -93,8 +113,10 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 
 class KVCache:
-    """Keys and values of every layer, ``[layers, kv_heads, max_len, head_dim]`` each (a q8_0 cache:
-    ``[..., head_dim / 32 * 34]`` bytes of Q8_0 blocks per slot; :meth:`write` returns them dequantized)."""
+    """Keys and values of every layer: per storage group of its :class:`KVLayout`
+    ``[layers, kv_heads, max_len, head_dim]`` each (a q8_0 cache: ``[..., head_dim / 32 * 34]``
+    bytes of Q8_0 blocks per slot; :meth:`write` returns them dequantized). ``k_layers[i]`` /
+    ``v_layers[i]``: model layer i's ``[Hkv, max_len, D]``."""
 
     copyable = True  # snapshot/restore hold the whole state (a sharded cache's other ranks do not)
 
@@ -106,26 +128,56 @@ class KVCache:
         max_len: int,
         dtype: KVType,
         device: torch.device | str = "cpu",
+        layout: KVLayout | None = None,
     ) -> None:
+        """One storage group of ``num_layers`` x ``num_kv_heads`` x ``head_dim``, or (``layout``)
+        the groups and places it gives (then the first three arguments are not read)."""
+        layout = layout or KVLayout.uniform(num_layers, num_kv_heads, head_dim)
         self.kind = dtype
-        if dtype == Q8_0:
-            if head_dim % Q8_BLOCK:
-                raise QuickdraftError(f"--kv-dtype q8_0 needs a head size that is a multiple of 32, this model's is {head_dim}")
-            shape = (num_layers, num_kv_heads, max_len, head_dim // Q8_BLOCK * Q8_BYTES)
-            dtype = torch.uint8
-        else:
-            shape = (num_layers, num_kv_heads, max_len, head_dim)
-        assert isinstance(dtype, torch.dtype)
-        self._bind(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        ks, vs = [], []
+        for layers, heads, dim in layout.groups:
+            if dtype == Q8_0:
+                if dim % Q8_BLOCK:
+                    raise QuickdraftError(f"--kv-dtype q8_0 needs a head size that is a multiple of 32, this model's is {dim}")
+                shape, elem = (layers, heads, max_len, dim // Q8_BLOCK * Q8_BYTES), torch.uint8
+            else:
+                assert isinstance(dtype, torch.dtype)
+                shape, elem = (layers, heads, max_len, dim), dtype
+            ks.append(torch.zeros(shape, dtype=elem, device=device))
+            vs.append(torch.zeros(shape, dtype=elem, device=device))
+        self._bind(layout, ks, vs)
 
-    def _bind(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = k  # [L, Hkv, S, D] (q8_0: bytes)
-        self.v = v  # [L, Hkv, S, D]
-        # per-layer views [Hkv, S, D], made once (indexing self.k[layer] costs a torch op per use)
-        self.k_layers = self.k.unbind(0)
-        self.v_layers = self.v.unbind(0)
-        self.max_len = k.shape[2]
+    def _bind(self, layout: KVLayout, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        self.layout = layout
+        self.keys, self.values = ks, vs  # per group [L, Hkv, S, D] (q8_0: bytes)
+        # per-layer views [Hkv, S, D], made once (indexing a group tensor costs a torch op per use)
+        k_groups, v_groups = [k.unbind(0) for k in ks], [v.unbind(0) for v in vs]
+        self.k_layers = [k_groups[g][i] for g, i in layout.places]
+        self.v_layers = [v_groups[g][i] for g, i in layout.places]
+        self.max_len = ks[0].shape[2]
         self.length = 0
+
+    @property
+    def k(self) -> torch.Tensor:
+        """All keys ``[L, Hkv, S, D]``, for a cache of one storage group (every layer alike)."""
+        if len(self.keys) != 1:
+            raise ValueError("this cache's layers differ in shape: read k_layers[i] instead")
+        return self.keys[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        if len(self.values) != 1:
+            raise ValueError("this cache's layers differ in shape: read v_layers[i] instead")
+        return self.values[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type slots are stored in (uint8 for q8_0)."""
+        return self.keys[0].dtype
 
     def region(self, base: int, length: int) -> KVCache:
         """A cache of ``length`` slots that IS slots ``[base, base + length)`` of this one (shared
@@ -134,7 +186,8 @@ class KVCache:
             raise ValueError(f"region [{base}, {base + length}) is not inside a cache of {self.max_len} slots")
         view = object.__new__(type(self))
         view.kind = self.kind
-        view._bind(self.k[:, :, base : base + length], self.v[:, :, base : base + length])
+        view._bind(self.layout, [k[:, :, base : base + length] for k in self.keys],
+                   [v[:, :, base : base + length] for v in self.values])
         return view
 
     def reserve(self, t: int) -> tuple[int, int]:
@@ -150,13 +203,22 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` ``[Hkv, T, D]`` at slots ``start..`` and return keys/values up to the end."""
         end = start + k.shape[1]
+        kc, vc = self.k_layers[layer], self.v_layers[layer]
         if self.kind == Q8_0:
-            self.k[layer, :, start:end] = quantize_q8_0(k)
-            self.v[layer, :, start:end] = quantize_q8_0(v)
-            return dequantize_q8_0(self.k[layer, :, :end]), dequantize_q8_0(self.v[layer, :, :end])
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]  # [Hkv, end, D]
+            kc[:, start:end] = quantize_q8_0(k)
+            vc[:, start:end] = quantize_q8_0(v)
+        else:
+            kc[:, start:end] = k
+            vc[:, start:end] = v
+        return self.read(layer, end)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values of slots ``[0, end)`` ``[Hkv, end, D]`` (a layer that
+        shares another's: that layer's, this pass's rows included once that layer has run)."""
+        kc, vc = self.k_layers[layer][:, :end], self.v_layers[layer][:, :end]
+        if self.kind == Q8_0:
+            return dequantize_q8_0(kc), dequantize_q8_0(vc)
+        return kc, vc
 
     def advance(self, t: int) -> None:
         self.length += t
@@ -167,17 +229,23 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
+    def move_slots(self, src: torch.Tensor, dst: int) -> None:
+        """Copy slots ``src`` [n] of every layer to slots ``[dst, dst + n)`` (a gather first, so the
+        ranges may overlap)."""
+        n = int(src.numel())
+        src = src.to(self.device)
+        for k, v in zip(self.keys, self.values, strict=True):
+            k[:, :, dst : dst + n] = k.index_select(2, src)
+            v[:, :, dst : dst + n] = v.index_select(2, src)
+
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move the slots ``start + keep[i]`` to ``start + i`` and truncate after them (tree paths).
 
         ``keep`` [n] holds increasing offsets relative to ``start``, so every move goes left or
         stays and an in-place gather is safe.
         """
-        n = int(keep.numel())
-        src = keep.to(self.k.device) + start
-        self.k[:, :, start : start + n] = self.k.index_select(2, src)
-        self.v[:, :, start : start + n] = self.v.index_select(2, src)
-        self.length = start + n
+        self.move_slots(keep.to(self.device) + start, start)
+        self.length = start + int(keep.numel())
 
     def reset(self) -> None:
         self.length = 0
@@ -194,27 +262,28 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes in every layer."""
-        num_layers, num_kv_heads, _, head_dim = self.k.shape
-        return 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
+        return sum(2 * k[:, :, 0].numel() * k.element_size() for k in self.keys)
 
     def snapshot(self, n: int, copy: bool = True) -> CacheSnapshot:
-        """The first ``n`` slots' keys and values, ``[L, Hkv, n, D]`` each: a copy in host memory (a
-        prefix cache keeps it while this cache serves other sequences), or (``copy=False``) views of
-        this cache, to :meth:`restore` into another at once."""
+        """The first ``n`` slots' keys and values, per storage group ``[L, Hkv, n, D]``: a copy in host
+        memory (a prefix cache keeps it while this cache serves other sequences), or
+        (``copy=False``) views of this cache, to :meth:`restore` into another at once."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot snapshot {n} slots of a cache of length {self.length}")
-        k, v = self.k[:, :, :n], self.v[:, :, :n]
+        ks, vs = [k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values]
         if copy:
-            k, v = k.to("cpu", copy=True), v.to("cpu", copy=True)
-        return CacheSnapshot(k, v)
+            ks, vs = [k.to("cpu", copy=True) for k in ks], [v.to("cpu", copy=True) for v in vs]
+        return CacheSnapshot(ks, vs)
 
     def restore(self, snap: CacheSnapshot, n: int) -> None:
         """Load the first ``n`` slots of a :meth:`snapshot` and truncate after them: the cache is then
         bitwise the state that computed the snapshot had after its first ``n`` tokens."""
         if not 0 <= n <= snap.length or n > self.max_len or snap.point(n) != n:
             raise ValueError(f"cannot restore {n} slots from a snapshot of {snap.length} into a cache of {self.max_len}")
-        self.k[:, :, :n] = snap.k[:, :, :n]
-        self.v[:, :, :n] = snap.v[:, :, :n]
+        for k, sk in zip(self.keys, snap.keys, strict=True):
+            k[:, :, :n] = sk[:, :, :n]
+        for v, sv in zip(self.values, snap.values, strict=True):
+            v[:, :, :n] = sv[:, :, :n]
         self.length = n
 
 
@@ -239,7 +308,7 @@ class KVPool:
         self.staging = staging
         self.lanes = [buffer.region(i * lane_len, lane_len) for i in range(lanes)]
         # position held by each region slot: slot j of a lane holds position j
-        self._region_pos = torch.arange(lane_len, device=buffer.k.device).repeat(lanes)
+        self._region_pos = torch.arange(lane_len, device=buffer.device).repeat(lanes)
 
     def base(self, lane: int) -> int:
         """The buffer slot where lane ``lane``'s region starts."""
@@ -267,7 +336,7 @@ class KVPool:
         ``committed`` slots, then its own rows of the pass ``staged[j]`` (offsets into this pass's
         staging slots, in position order)."""
         base = self.base(lane)
-        prefix = torch.arange(base, base + committed, device=self.buffer.k.device)
+        prefix = torch.arange(base, base + committed, device=self.buffer.device)
         return [torch.cat([prefix, own.to(prefix.device) + self.staging_start]) for own in staged]
 
     def keep(self, lane: int, staged: torch.Tensor) -> None:
@@ -275,11 +344,8 @@ class KVPool:
         order they join the sequence) to lane ``lane``'s region."""
         cache = self.lanes[lane]
         n = int(staged.numel())
-        start, end = cache.reserve(n)
-        src = staged.to(self.buffer.k.device) + self.staging_start
-        dst = slice(self.base(lane) + start, self.base(lane) + end)
-        self.buffer.k[:, :, dst] = self.buffer.k.index_select(2, src)
-        self.buffer.v[:, :, dst] = self.buffer.v.index_select(2, src)
+        start, _ = cache.reserve(n)
+        self.buffer.move_slots(staged.to(self.buffer.device) + self.staging_start, self.base(lane) + start)
         cache.advance(n)
         if n:
             cache.continue_from(self.buffer, int(staged[-1]))  # the pass's rows are its staging slots
@@ -366,7 +432,7 @@ class HybridCache(KVCache):
         if not self._base_known:
             raise QuickdraftError("this cache's recurrent state is unknown (a pool buffer's rows continue their lanes')")
         if self._base is None:
-            self._base = self.shape.zeros(self.k.device, self.state_dtype)
+            self._base = self.shape.zeros(self.device, self.state_dtype)
         return self._base[layer]
 
     def record(self, layer: int, states: list[State]) -> None:
@@ -466,16 +532,16 @@ class HybridCache(KVCache):
         found, at_n = self._state_at(n)
         states = {c: s for c, s in self.checkpoints.items() if c <= n}
         if found:
-            states[n] = at_n if at_n is not None else self.shape.zeros(self.k.device, self.state_dtype)
+            states[n] = at_n if at_n is not None else self.shape.zeros(self.device, self.state_dtype)
         if copy:
             states = {c: [(a.to("cpu", copy=True), b.to("cpu", copy=True)) for a, b in s] for c, s in states.items()}
-        return CacheSnapshot(snap.k, snap.v, states)
+        return CacheSnapshot(snap.keys, snap.values, states)
 
     def restore(self, snap: CacheSnapshot, n: int) -> None:
         if snap.states is None:
             raise ValueError("a snapshot without recurrent states cannot restore a hybrid model's cache")
         super().restore(snap, n)
-        device = self.k.device
+        device = self.device
         self.checkpoints = {}
         for c, s in sorted(snap.states.items()):
             if c < n and c % STATE_EVERY == 0:

@@ -104,11 +104,25 @@ class ModelConfig:
     # Value heads in llama.cpp's tiled order (value head j reads q/k head j % nk; GGUF files), not
     # grouped (j reads q/k head j // (nv / nk); Hugging Face checkpoints).
     linear_value_heads_tiled: bool = False
+    # Gemma 4 (quickdraft/models/gemma4.py): full-attention layers with their own head size and KV
+    # heads, keys that are also the values there, the last layers reusing earlier layers' keys and
+    # values, a per-layer token embedding fed into every layer, routed experts beside the MLP.
+    global_head_dim: int = 0  # head size of the full-attention layers (0: head_dim)
+    num_global_key_value_heads: int = 0  # their KV heads (0: num_key_value_heads)
+    attention_k_eq_v: bool = False  # full-attention layers have no v_proj: values are the keys before k_norm
+    num_kv_shared_layers: int = 0  # the last n layers attend to the last earlier layer of their type's keys/values
+    hidden_size_per_layer_input: int = 0  # width of each layer's per-layer embedding (0: none)
+    vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False  # the KV-sharing layers' MLPs are twice intermediate_size wide
     extra: dict[str, Any] = field(default_factory=dict)
 
     def layer_pattern(self) -> str:
         """The layers as the start-up line names them: "24 layers" or, for models with several
         kinds, "24 layers: 18 linear_attention + 6 full_attention (every 4th)"."""
+        shared = self.num_kv_shared_layers
+        return self._layer_kinds() + (f", the last {shared} reusing earlier layers' keys and values" if shared else "")
+
+    def _layer_kinds(self) -> str:
         n = self.num_hidden_layers
         if not self.layer_types or len(set(self.layer_types)) == 1:
             return f"{n} layers" + (f" of {self.layer_types[0]}" if self.layer_types else "")
@@ -168,6 +182,7 @@ class ModelConfig:
             cfg.update(_phi3_fields(str(model_type), d))
             cfg.update(_qwen3_5_fields(str(model_type), d))
             cfg.update(_gpt_oss_fields(str(model_type), d))
+            cfg.update(_gemma4_fields(str(model_type), d))
         except KeyError as exc:
             raise QuickdraftError(f"config.json lacks the field {exc}; the model folder looks incomplete") from None
         known = {f.name for f in fields(cls)}
@@ -272,7 +287,7 @@ def _llama4_text_config(d: dict[str, Any]) -> dict[str, Any]:
 
 # Vision-language checkpoints whose text model quickdraft runs: model_type -> the text model's.
 _TEXT_MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
-                "qwen3_5_moe_text": "qwen3_5_moe"}
+                "qwen3_5_moe_text": "qwen3_5_moe", "gemma4": "gemma4_text"}
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (models/qwen3_5.py)
 
@@ -407,6 +422,77 @@ def _gemma3_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": None if softcap is None else float(softcap),
         "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
         "qk_norm": True,
+    }
+
+
+_GEMMA4_FULL_THETA, _GEMMA4_LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma4TextConfig's defaults
+
+
+def _gemma4_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 text fields, with transformers' Gemma4TextConfig defaults for what a config.json
+    leaves out. The full-attention layers' head size and KV heads come as ``global_head_dim`` /
+    ``num_global_key_value_heads`` (the released configs) or as transformers' ``per_layer_config``
+    (what it saves); their RoPE is "proportional" (rotating a part of each head, the rest at
+    frequency zero)."""
+    if model_type != "gemma4_text":
+        return {}
+    if d.get("use_bidirectional_attention") == "all":
+        raise QuickdraftError("bidirectional Gemma 4 models (embedding models) cannot generate text")
+    activation = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise QuickdraftError(f"Gemma 4 with hidden_activation {activation!r} is not supported (only gelu_pytorch_tanh)")
+    layers = int(d["num_hidden_layers"])
+    layer_types = list(d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)
+    ])
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise QuickdraftError(f"config.json has layer_types {layer_types!r}; expected {layers} of sliding_attention/full_attention")
+    layer_types[-1] = "full_attention"  # as transformers forces it
+    head_dim = int(d.get("head_dim") or 256)
+    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    global_dim = d.get("global_head_dim")
+    global_kv = d.get("num_global_key_value_heads") if k_eq_v else None
+    if d.get("per_layer_config"):  # transformers' saved form: {layer: {head_dim, num_key_value_heads}}
+        overrides = {int(i): dict(o) for i, o in d["per_layer_config"].items()}
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        if sorted(overrides) != full or any(o != overrides[full[0]] for o in overrides.values()):
+            raise QuickdraftError("Gemma 4 per_layer_config must give every full-attention layer the same head_dim "
+                                  f"and num_key_value_heads (and no other layer); this config.json has {overrides!r}")
+        global_dim = overrides[full[0]].get("head_dim", global_dim)
+        global_kv = overrides[full[0]].get("num_key_value_heads", global_kv)
+    params = d.get("rope_parameters") or {}
+    local = dict(params.get("sliding_attention") or {"rope_theta": _GEMMA4_LOCAL_THETA})
+    full_rope = dict(params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": _GEMMA4_FULL_THETA})
+    if (local.get("rope_type") or "default") != "default":
+        raise QuickdraftError("Gemma 4 with RoPE scaling on its sliding-window layers is not supported")
+    shared = int(d.get("num_kv_shared_layers") or 0)
+    if shared and set(layer_types[: layers - shared]) != set(layer_types):
+        raise QuickdraftError(f"Gemma 4 with num_kv_shared_layers={shared}: the layers before them must include "
+                              "every layer type whose keys and values they reuse")
+    moe = bool(d.get("enable_moe_block", False))
+    softcap = d.get("final_logit_softcapping")
+    return {
+        "head_dim": head_dim,
+        "global_head_dim": int(global_dim or 512),
+        "num_global_key_value_heads": int(global_kv or 0),
+        "attention_k_eq_v": k_eq_v,
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(d.get("hidden_size_per_layer_input", 256) or 0),
+        "vocab_size_per_layer_input": int(d.get("vocab_size_per_layer_input") or 262_144),
+        "use_double_wide_mlp": bool(d.get("use_double_wide_mlp", False)),
+        "sliding_window": int(d.get("sliding_window") or 512),
+        "layer_types": tuple(str(t) for t in layer_types),
+        "rope_theta": float(full_rope.get("rope_theta") or _GEMMA4_FULL_THETA),
+        "rope_scaling": _rope_scaling({"rope_scaling": full_rope}),
+        "rope_local_theta": float(local.get("rope_theta") or _GEMMA4_LOCAL_THETA),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+        "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+        "num_experts": int(d.get("num_experts") or 0) if moe else 0,
+        "num_experts_per_tok": int(d.get("top_k_experts") or 0) if moe else 0,
+        "moe_intermediate_size": int(d.get("moe_intermediate_size") or 0) if moe else 0,
     }
 
 

@@ -601,7 +601,7 @@ def test_forked_heads_propose_in_one_head_pass_per_depth_bitwise_as_alone(
                 d.commit(emitted, n)
             pkv, pf, ptok = p.snapshot()
             skv, sf, stok = s.snapshot()
-            assert ptok == stok and torch.equal(pf, sf) and torch.equal(pkv.k, skv.k) and torch.equal(pkv.v, skv.v)
+            assert ptok == stok and torch.equal(pf, sf) and torch.equal(pkv.keys[0], skv.keys[0]) and torch.equal(pkv.values[0], skv.values[0])
 
 
 def _first_child_path(draft: Any) -> list[int]:

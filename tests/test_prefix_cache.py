@@ -300,7 +300,7 @@ def test_kv_snapshot_restore_round_trip() -> None:
     cache.v.normal_()
     cache.advance(10)
     kv = cache.snapshot(8)
-    assert kv.k.shape == (2, 1, 8, 4) and kv.length == 8 and kv.point(6) == 6
+    assert kv.keys[0].shape == (2, 1, 8, 4) and kv.length == 8 and kv.point(6) == 6
     other = KVCache(2, 1, 4, 16, torch.float32)
     other.restore(kv, 6)
     assert other.length == 6 and torch.equal(other.k[:, :, :6], cache.k[:, :, :6])

@@ -102,6 +102,25 @@ _ARCH_DEFAULTS["gpt_oss"] = {
     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                         "original_max_position_embeddings": 128, "rope_theta": 10000.0},
 }
+# Gemma 4 (the small models' layout): full-attention layers with twice the head size and
+# proportional RoPE, a window (5) shorter than the texts, the last two layers reusing the first
+# two's keys and values with double-wide MLPs, per-layer embeddings, soft-capped logits. The MoE
+# layout (routed experts beside the MLP, keys as values): overrides, see tests/test_gemma4.py.
+_ARCH_DEFAULTS["gemma4_text"] = {
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "sliding_window": 5,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 16,
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+}
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
 
@@ -162,6 +181,8 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
         pad_token_id=EOS_ID,
     )
     fields.update(_ARCH_DEFAULTS[model_type])
+    if model_type == "gemma4_text":
+        fields["vocab_size_per_layer_input"] = fields["vocab_size"]
     fields.update(overrides)
     return AutoConfig.for_model(model_type, **fields)
 
@@ -199,6 +220,9 @@ def make_tiny_hf_model(
                 param.normal_(0.0, 1.0)
             else:
                 param.normal_(0.0, init_gain / param.shape[-1] ** 0.5)
+        for bname, buf in model.named_buffers():
+            if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (saved with the weights)
+                buf.uniform_(0.5, 1.5)
     folder = tmp_path / (name or f"tiny-{model_type}-{seed}")
     model.save_pretrained(folder)
     write_tokenizer(folder)

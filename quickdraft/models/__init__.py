@@ -9,10 +9,11 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "qwen3_5")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "qwen3_5", "gemma4_text")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "llama4_text", "qwen3_5_moe", "qwen3_next", "gpt_oss")  # mixture-of-experts families
 ARCHITECTURES: tuple[str, ...] = SUPPORTED + MOE  # what build_model accepts
-_MODULE = {"llama4_text": "llama4", "gemma3_text": "gemma3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5"}  # model_type -> module, where they differ
+_MODULE = {"llama4_text": "llama4", "gemma3_text": "gemma3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5",
+           "gemma4_text": "gemma4"}  # model_type -> module, where they differ
 
 
 def build_model(cfg: ModelConfig, max_len: int) -> nn.Module:

@@ -133,6 +133,7 @@ class CausalLM(nn.Module):
                 mask = causal_mask(start, t, device)
             step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
         x = self.embed(ids)  # [T, H]
+        step.layer_inputs = self.layer_inputs(ids, x)
         stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
@@ -179,7 +180,9 @@ class CausalLM(nn.Module):
         :func:`quickdraft.models.graphs.supports_static`).
         """
         step = Step(positions=positions, start=0, mask=mask, cache=cache, slots=slots)
-        x, captured = self._layers(self.embed(ids), step, capture)
+        x = self.embed(ids)
+        step.layer_inputs = self.layer_inputs(ids, x)
+        x, captured = self._layers(x, step, capture)
         return self.logits(x), captured
 
     def _layers(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -196,6 +199,11 @@ class CausalLM(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, H]."""
         return self.model.embed_tokens(ids)
+
+    def layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """What every decoder layer of a pass over ``ids`` (embedded: ``x``) takes besides the hidden
+        state, as :attr:`Step.layer_inputs` (Gemma 4's per-layer embeddings); None: nothing."""
+        return None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output head -> float32 logits [n, V] (-inf outside an output vocabulary

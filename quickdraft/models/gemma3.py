@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,7 @@ class _Backbone(nn.Module):
 class CausalLM(causal_lm.CausalLM):
     """``model(ids, cache) -> (logits, captured)``, the interface of :class:`causal_lm.CausalLM`."""
 
-    backbone = _Backbone
+    backbone: ClassVar[type[nn.Module]] = _Backbone
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
         super().materialize(device, dtype)

@@ -77,7 +77,7 @@ class StepGraphs:
         reason = supports_static(model)
         if reason is not None:
             raise ValueError(f"CUDA graphs do not apply: {reason}")
-        if capture and cache.k.device.type != "cuda":
+        if capture and cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
         self.model = model
         self.cache = cache
@@ -146,7 +146,7 @@ class StepGraphs:
         return logits.clone(), [c.clone() for c in g.captured]
 
     def _new(self, t: int, span: int) -> _Graph:
-        device = self.cache.k.device
+        device = self.cache.device
         return _Graph(
             ids=torch.zeros(t, dtype=torch.long, device=device),
             positions=torch.zeros(t, dtype=torch.long, device=device),
@@ -193,7 +193,7 @@ def make_step_graphs(
         raise ValueError(f"cuda_graphs must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
         return None
-    why = "the model is not on a CUDA device" if cache.k.device.type != "cuda" else supports_static(model)
+    why = "the model is not on a CUDA device" if cache.device.type != "cuda" else supports_static(model)
     if why is not None:
         if mode == "on" and warn is not None:
             warn(f"CUDA graphs not used: {why}")

@@ -135,11 +135,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
     elif kind == "yarn":
         inv = _yarn_inv_freq(inv, dim, cfg, scaling)
+    elif kind == "proportional":  # Gemma 4: the first angles of a head rotate (as if the head were whole), the rest do not
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+        inv = torch.cat([inv[:angles], torch.zeros(dim // 2 - angles, dtype=inv.dtype, device="cpu")]) / float(scaling.get("factor", 1.0))
     elif kind != "default":
         from quickdraft.errors import QuickdraftError
 
         raise QuickdraftError(
-            f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3, yarn)"
+            f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3, yarn, proportional)"
         )
     return inv.float()
 
@@ -272,6 +275,9 @@ class Step:
     # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
     slots: torch.Tensor | None = None
     lanes: list[KVCache] | None = None  # a pass over several sequences: each row's own cache (RowSlots.lanes)
+    # What every layer takes besides the hidden state, computed once per pass by
+    # :meth:`CausalLM.layer_inputs` (Gemma 4's per-layer embeddings [T, layers, P]); None for most models.
+    layer_inputs: torch.Tensor | None = None
     _parents: list[int] | None = field(default=None, repr=False)
     _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
         default_factory=dict, repr=False
@@ -376,30 +382,41 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         return self.o_proj(self.attend(q, k, v, layer, step))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int, step: Step
+    ) -> torch.Tensor:
         """q/k norms, RoPE, this pass's keys and values into cache layer ``layer``, and attention:
-        ``[T, Hq * D]``, what o_proj takes."""
+        ``[T, Hq * D]``, what o_proj takes. ``k = v = None``: a layer that reuses another layer's
+        keys and values (:class:`~quickdraft.cache.KVLayout`), already in the cache for this pass."""
         t = q.shape[1]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, step.positions), self.rope(k, step.positions)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = self.rope(q, step.positions)
+        if k is not None:
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            k = self.rope(k, step.positions)
         cache = step.cache
         if step.slots is not None:  # static shapes: write by slot tensor, attend over L slots
             kc, vc = cache.k_layers[layer], cache.v_layers[layer]
-            kc.index_copy_(1, step.slots, k.to(kc.dtype))
-            vc.index_copy_(1, step.slots, v.to(vc.dtype))
+            if k is not None and v is not None:
+                kc.index_copy_(1, step.slots, k.to(kc.dtype))
+                vc.index_copy_(1, step.slots, v.to(vc.dtype))
             assert step.mask is not None
             n = step.mask.shape[1]
             out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
             return out.transpose(0, 1).reshape(t, self.nh * self.hd)
-        if self.native and t <= BLOCKED_MAX_ROWS and cache.k.dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
+        if self.native and t <= BLOCKED_MAX_ROWS and cache.storage_dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
             # decode / verify rows: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)
             return ops.attend(
                 q, cache.k_layers[layer], cache.v_layers[layer], step.start, self.window or 0, self.scale,
                 slots, offsets, k, v,
             )  # [T, Hq * D]
-        keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        if k is not None and v is not None:
+            keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        else:
+            keys, values = cache.read(layer, step.start + t)
         if t > BLOCKED_MAX_ROWS:
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
             out = self._attend(q, keys, values, mask)  # [Hq, T, D]

@@ -123,26 +123,35 @@ class SparseMoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once over its rows; outputs combined per row in top-k rank order."""
-        t, k = experts.shape
-        scale_input = self.routing == "sigmoid_input"
-        flat_weights = weights.flatten()
-        ys = x.new_empty(t * k, x.shape[1])  # slot row * k + rank
-        for expert, slots in group_by_expert(experts).items():
-            idx = torch.tensor(slots, device=x.device)
-            xe = x if t == 1 else x.index_select(0, idx // k)  # one row: top-k experts are distinct
-            if scale_input:  # llama4 scales the input in the activation dtype, as transformers does
-                xe = xe * flat_weights[idx].to(x.dtype).unsqueeze(1)
-            ys.index_copy_(0, idx, self.experts[expert](xe))
-        ys = ys.view(t, k, -1)
-        if scale_input:
-            out = ys[:, 0]
-            for r in range(1, k):
-                out = out + ys[:, r]
-            return out
-        acc = ys[:, 0].float() * weights[:, :1]
+        return mix_experts(self.experts, x, weights, experts, scale_input=self.routing == "sigmoid_input")
+
+
+def mix_experts(
+    modules: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, scale_input: bool = False
+) -> torch.Tensor:
+    """Rows ``x`` [T, H] through their top-k ``experts`` [T, k] (each chosen expert runs once, over
+    exactly its rows), outputs weighted by ``weights`` [T, k] and summed per row in top-k rank
+    order (batch invariant). ``scale_input``: the weights scale each expert's input instead, the
+    outputs are summed unweighted (llama4)."""
+    t, k = experts.shape
+    flat_weights = weights.flatten()
+    ys = x.new_empty(t * k, x.shape[1])  # slot row * k + rank
+    for expert, slots in group_by_expert(experts).items():
+        idx = torch.tensor(slots, device=x.device)
+        xe = x if t == 1 else x.index_select(0, idx // k)  # one row: top-k experts are distinct
+        if scale_input:  # llama4 scales the input in the activation dtype, as transformers does
+            xe = xe * flat_weights[idx].to(x.dtype).unsqueeze(1)
+        ys.index_copy_(0, idx, modules[expert](xe))
+    ys = ys.view(t, k, -1)
+    if scale_input:
+        out = ys[:, 0]
         for r in range(1, k):
-            acc = acc + ys[:, r].float() * weights[:, r : r + 1]
-        return acc.to(x.dtype)
+            out = out + ys[:, r]
+        return out
+    acc = ys[:, 0].float() * weights[:, :1]
+    for r in range(1, k):
+        acc = acc + ys[:, r].float() * weights[:, r : r + 1]
+    return acc.to(x.dtype)
 
 
 _STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?")

@@ -113,7 +113,7 @@ class ModelPass(DraftPass):
         """The asks' rows as ONE pass of the model over the pool's staging slots (each row sees its
         lane's slots, then its own rows of the pass); each lane then keeps its rows."""
         pool, model = begin_together(asks), asks[0].model
-        device = pool.buffer.k.device
+        device = pool.buffer.device
         slots: list[Tensor] = []
         positions: list[Tensor] = []
         held: dict[int, Tensor] = {}

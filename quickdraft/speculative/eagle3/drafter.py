@@ -144,7 +144,7 @@ class HeadPass(DraftPass):
         slots of its lane and of its own ask's rows that it sees alone (:meth:`DraftHead.visible`),
         in the same order; each lane then keeps its rows, as its own pass would have appended them."""
         pool, head = begin_together(asks), asks[0].head
-        device = pool.buffer.k.device
+        device = pool.buffer.device
         slots: list[Tensor] = []
         positions: list[Tensor] = []
         staged: list[Tensor] = []  # each ask's rows in the pass
