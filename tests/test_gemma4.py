@@ -5,7 +5,8 @@ Logits equal transformers' (fp32) on two tiny random layouts (the small models':
 double-wide MLPs, per-layer embeddings; the MoE one: experts, k = v, fewer KV heads on full
 layers), also from a vision-language checkpoint's layout; every row of any pass is bitwise plain
 decoding's, so speculation stays lossless with right / wrong / partly right chains, trees,
-n-grams and several sequences in one pass; the prefix cache's warm runs equal cold ones.
+n-grams and several sequences in one pass; the prefix cache's warm runs equal cold ones; GGUF
+files as llama.cpp writes them load to the same model, quantized experts kept in their blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from test_concurrency import alone, requests, together
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
-from tiny import load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
+from tiny import (
+    gemma4_to_gguf,
+    load_reference,
+    make_tiny_hf_model,
+    reference_logits,
+    write_tokenizer,
+)
 
 from quickdraft.cache import KVLayout
 from quickdraft.config import ModelConfig
@@ -29,7 +36,9 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.gemma4 import Gemma4Attention
+from quickdraft.models.layers import QuantEmbedding
 from quickdraft.prefix_cache import PrefixCache
+from quickdraft.quant.ggml import GGMLLinear
 from quickdraft.speculative.ngram import NGramDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,3 +219,49 @@ def test_prefix_cache_warm_equals_cold(small: LoadedModel) -> None:
     out = run(engine, edited, None, 0, GREEDY)
     assert out.stats.cached_tokens == 70
     same(out, run(Engine(small.model, small.tokenizer), edited, None, 0, GREEDY))
+
+
+# ------------------------------------------------------------------------- GGUF
+
+
+@pytest.mark.parametrize("name", ["small", "moe"])
+def test_gguf_matches_transformers(folders: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """A float GGUF written as llama.cpp's converter writes Gemma 4 (per-layer arrays, key_length /
+    key_length_swa, rope_freqs for proportional RoPE, stacked experts) gives transformers' logits."""
+    path = gemma4_to_gguf(folders[name], tmp_path / f"{name}.gguf")
+    loaded = load_model(str(path), dtype="float32", max_context=256)
+    want = load_model(str(folders[name]), dtype="float32", max_context=256).config
+    got = loaded.config
+    for field in ("layer_types", "head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads",
+                  "attention_k_eq_v", "num_kv_shared_layers", "hidden_size_per_layer_input",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "sliding_window", "rope_theta",
+                  "rope_local_theta", "final_logit_softcapping"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    # (double-wide MLPs only exist on KV-sharing layers: the MoE layout has none)
+    assert got.use_double_wide_mlp == (want.use_double_wide_mlp and want.num_kv_shared_layers > 0)
+    assert (want.rope_scaling or {})["partial_rotary_factor"] == 0.25
+    ids = loaded.tokenizer.encode(TEXT)
+    assert (logits(loaded, ids) - reference_logits(load_reference(folders[name]), ids)).abs().max() < 1e-4
+
+
+def test_quantized_gguf_keeps_expert_blocks_and_speculates_losslessly(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Q8_0 attention, MLP, per-layer embedding and stacked experts: every expert's matrix stays in
+    its blocks (one kernel module per expert, gate and up rows split), the logits are the float
+    file's within the activations' int8 rounding (on average), and speculation equals plain decoding."""
+    q = {"attn_q.weight": "Q8_0", "ffn_up.weight": "Q8_0", "exps.weight": "Q8_0", "per_layer_token_embd.weight": "Q8_0"}
+    for name in ("moe", "small"):
+        path = gemma4_to_gguf(folders[name], tmp_path / f"{name}-q8.gguf", q)
+        quant = load_model(str(path), dtype="auto", max_context=256)
+        plain = load_model(str(path), dtype="float32", max_context=256)
+        layer = quant.model.model.layers[0]
+        if name == "moe":
+            assert all(isinstance(m, GGMLLinear) for e in layer.experts for m in (e.gate_proj, e.up_proj, e.down_proj))
+        else:
+            assert isinstance(quant.model.model.embed_tokens_per_layer, QuantEmbedding)
+        ids = quant.tokenizer.encode(TEXT)[:40]
+        diff = (logits(quant, ids) - logits(plain, ids)).abs()  # (a near-tied router choice may flip a row)
+        assert diff.mean() < 0.01 and diff.max() < 0.5
+        qcase = make_case(quant, TEXT[:60], 20)
+        check_scripted(qcase, "partly", 4)
+        assert qcase.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4).ids == qcase.truth

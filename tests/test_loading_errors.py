@@ -227,11 +227,11 @@ def test_unsupported_hf_architecture(tmp_path: Path) -> None:
 def test_unsupported_nested_architecture_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A multimodal checkpoint of a family quickdraft does not run (its fields in text_config)
     is refused by name, with the supported list, exit 2; not as a config missing a field."""
-    folder = write_tokenizer(tmp_path / "gemma4")
-    (folder / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": {"hidden_size": 64}}))
+    folder = write_tokenizer(tmp_path / "gemma3n")
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3n", "text_config": {"hidden_size": 64}}))
     save_file({"x": torch.zeros(1)}, str(folder / "model.safetensors"))
     err = _cli(["generate", "--raw", "-q", "--model", str(folder), "hi"], capsys)
-    assert_words(err, "architecture", "gemma4", "not supported", "qwen3_5", "gpt_oss")
+    assert_words(err, "architecture", "gemma3n", "not supported", "qwen3_5", "gpt_oss")
 
 
 def test_folder_without_tokenizer(tiny_folder: Path, tmp_path: Path) -> None:

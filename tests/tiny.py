@@ -534,6 +534,109 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
     return path
 
 
+_GEMMA4_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+}
+_GEMMA4_GLOBAL = _GGUF_GLOBAL | {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def gemma4_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -> Path:
+    """A tiny Gemma 4 text folder as llama.cpp's converter writes it (conversion/gemma.py, arch
+    "gemma4"): per-layer arrays for the sliding pattern, KV heads and MLP widths, the full layers'
+    head size as key_length (the sliding ones' as key_length_swa), norms as they are, the layer
+    scalar as a [1] tensor, the router's scales as ffn_gate_inp.scale / ffn_down_exps.scale, and
+    proportional RoPE as ``rope_freqs`` (1 for the rotating angles, 1e30 for the others)."""
+    from types import SimpleNamespace
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    c = SimpleNamespace(**json.loads((folder / "config.json").read_text()))  # (transformers' config hides head_dim)
+    layers, shared = c.num_hidden_layers, c.num_kv_shared_layers
+    swa = [t == "sliding_attention" for t in c.layer_types]
+    full = SimpleNamespace(**c.per_layer_config[str(swa.index(False))])
+    full.num_key_value_heads = getattr(full, "num_key_value_heads", c.num_key_value_heads)
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_name(folder.name)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(layers)
+    ff = c.intermediate_size
+    w.add_feed_forward_length([ff * 2 if c.use_double_wide_mlp and i >= layers - shared else ff for i in range(layers)])
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if s else full.num_key_value_heads for s in swa])
+    w.add_key_length(full.head_dim)
+    w.add_value_length(full.head_dim)
+    w.add_key_length_swa(c.head_dim)
+    w.add_value_length_swa(c.head_dim)
+    w.add_rope_dimension_count(full.head_dim)
+    w.add_rope_dimension_count_swa(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_parameters["full_attention"]["rope_theta"]))
+    w.add_rope_freq_base_swa(float(c.rope_parameters["sliding_attention"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_sliding_window_pattern(swa)
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input or 0)
+    if c.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(float(c.final_logit_softcapping))
+    if c.enable_moe_block:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.top_k_experts)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_vocab_size(c.vocab_size)
+    gguf_tokenizer_metadata(w)
+    rotating = int(full.head_dim * c.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotating + [1e30] * (full.head_dim // 2 - rotating), dtype=np.float32))
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        if name in _GEMMA4_GLOBAL:
+            gname = _GEMMA4_GLOBAL[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{_GEMMA4_LAYER[rest]}"
+        a = np.ascontiguousarray(tensor.float().numpy())
+        qtype = next((q for suffix, q in (qtypes or {}).items() if gname.endswith(suffix)), None)
+        if qtype is None:
+            w.add_tensor(gname, a)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def load_reference(folder: Path) -> Any:
     """The transformers model stored in ``folder``, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

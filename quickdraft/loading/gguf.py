@@ -29,7 +29,7 @@ from quickdraft.loading.gguf_file import GGUFFile, release_pages
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
-                      "qwen35": "qwen3_5"}
+                      "qwen35": "qwen3_5", "gemma4": "gemma4_text"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -73,6 +73,25 @@ _ARCH_LAYER_NAMES = {
         "ssm_norm.weight": "linear_attn.norm.weight",
         "ssm_out.weight": "linear_attn.out_proj.weight",
     },
+    # Gemma 4: Gemma 3's four norms, the layer scalar, the per-layer embedding branch, and the
+    # routed experts' router (its input scale and per-expert scales) and norms.
+    "gemma4_text": {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "layer_output_scale.weight": "layer_scalar",
+        "inp_gate.weight": "per_layer_input_gate.weight",
+        "proj.weight": "per_layer_projection.weight",
+        "post_norm.weight": "post_per_layer_input_norm.weight",
+        "ffn_gate_inp.weight": "router.proj.weight",
+        "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+        "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+        "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+        "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+        "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+        "ffn_down_exps.weight": "experts.down_proj",
+    },
 }
 # Multi-token-prediction ("nextn") blocks after the model's layers: llama.cpp's names -> the
 # checkpoint's mtp.* ones (their decoder layer's tensors keep the standard block names).
@@ -91,6 +110,9 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",  # Gemma 4's per-layer embeddings
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -129,6 +151,9 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
             raise QuickdraftError(f"GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
         return value
 
+    def first(value: Any) -> Any:  # per-layer arrays (Gemma 4): the first layer's here, the rest per family
+        return value[0] if isinstance(value, list | tuple) else value
+
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
@@ -145,10 +170,10 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         model_type=ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(first(get("feed_forward_length"))),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        num_key_value_heads=int(first(get("attention.head_count_kv", heads))),
         head_dim=int(get("attention.key_length", hidden // heads)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -160,6 +185,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     )
     if arch == "gemma3":
         cfg = dataclasses.replace(cfg, **_gemma3_fields(meta, cfg))
+    elif arch == "gemma4":
+        cfg = dataclasses.replace(cfg, **_gemma4_fields(meta, cfg, tensor_names))
     elif arch == "qwen35":
         cfg = dataclasses.replace(cfg, **_qwen35_fields(meta, cfg))
     elif arch == "phi3":
@@ -218,6 +245,72 @@ def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         "linear_value_head_dim": int(get("ssm.inner_size")) // nv,
         "linear_value_heads_tiled": True,
     }
+
+
+def _gemma4_fields(meta: dict[str, Any], cfg: ModelConfig, tensor_names: set[str]) -> dict[str, Any]:
+    """Gemma 4 as llama.cpp's converter writes it: per-layer arrays for the sliding pattern, the KV
+    heads and the MLP width (twice as wide on KV-sharing layers with ``use_double_wide_mlp``), the
+    full layers' head size as ``key_length`` and the sliding ones' as ``key_length_swa``; keys as
+    values where full layers have no ``attn_v``. Proportional RoPE comes from ``rope_freqs``
+    (:func:`with_rope_factors`)."""
+    layers = cfg.num_hidden_layers
+
+    def per_layer(key: str, default: Any) -> list[Any]:
+        value = meta.get(f"gemma4.{key}", default)
+        values = list(value) if isinstance(value, list | tuple) else [value] * layers
+        if len(values) != layers:
+            raise QuickdraftError(f"gemma4.{key} has {len(values)} entries for {layers} layers; the file is damaged")
+        return values
+
+    window = meta.get("gemma4.attention.sliding_window")
+    if window is None:
+        raise QuickdraftError("GGUF metadata lacks 'gemma4.attention.sliding_window'; the file is incomplete")
+    sliding = [bool(s) for s in per_layer("attention.sliding_window_pattern", True)]
+    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    kv = per_layer("attention.head_count_kv", cfg.num_key_value_heads)
+    ff = per_layer("feed_forward_length", cfg.intermediate_size)
+    shared = int(meta.get("gemma4.attention.shared_kv_layers") or 0)
+    full = [i for i in range(layers) if not sliding[i]]
+    if not full:
+        raise QuickdraftError("this Gemma 4 GGUF has no full-attention layer; the file is damaged")
+    swa_kv = [kv[i] for i in range(layers) if sliding[i]] or [kv[full[0]]]
+    k_eq_v = f"blk.{full[0]}.attn_v.weight" not in tensor_names
+    wide = [2 * ff[0] if i >= layers - shared else ff[0] for i in range(layers)]
+    if len(set(swa_kv)) > 1 or len({kv[i] for i in full}) > 1 or (not k_eq_v and kv[full[0]] != swa_kv[0]) \
+            or ff not in ([ff[0]] * layers, wide):
+        raise QuickdraftError(f"this Gemma 4 GGUF's per-layer KV heads {kv} or MLP widths {ff} are not a layout "
+                              "quickdraft knows (one value per layer type; double-wide sharing layers)")
+    experts = int(meta.get("gemma4.expert_count") or 0)
+    softcap = meta.get("gemma4.final_logit_softcapping")
+    return {
+        "num_key_value_heads": int(swa_kv[0]),
+        "head_dim": int(meta.get("gemma4.attention.key_length_swa") or cfg.head_dim),
+        "global_head_dim": cfg.head_dim,
+        "num_global_key_value_heads": int(kv[full[0]]) if k_eq_v else 0,
+        "attention_k_eq_v": k_eq_v,
+        "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": shared > 0 and ff == wide and ff != [ff[0]] * layers,
+        "hidden_size_per_layer_input": int(meta.get("gemma4.embedding_length_per_layer_input") or 0),
+        "vocab_size_per_layer_input": cfg.vocab_size,
+        "sliding_window": int(window),
+        "layer_types": tuple(types),
+        "rope_local_theta": float(meta.get("gemma4.rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+        "qk_norm": True,
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta.get("gemma4.expert_used_count") or 0) if experts else 0,
+        "moe_intermediate_size": int(meta.get("gemma4.expert_feed_forward_length") or 0) if experts else 0,
+    }
+
+
+def with_rope_factors(cfg: ModelConfig, factors: list[float]) -> ModelConfig:
+    """The config with a file's ``rope_freqs`` divisors: Llama 3.1's per-frequency scaling, or
+    (Gemma 4: 1 for the rotating angles, 1e30 for the still ones) its proportional RoPE."""
+    if cfg.model_type == "gemma4_text":
+        rotating = sum(1 for f in factors if f < 1e29)
+        dim = cfg.global_head_dim or cfg.head_dim
+        return dataclasses.replace(cfg, rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 2 * rotating / dim})
+    return dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors})
 
 
 def _gemma3_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
@@ -283,10 +376,10 @@ def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTe
     if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
         raw = _unpermute(raw, heads)  # a permutation of whole rows, so blocks stay intact
-    n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-    copy = torch.from_numpy(np.array(raw.view(np.uint8).reshape(n, -1)))  # (F16 / BF16: their bytes)
+    dims = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first: [N, K] or [E, N, K]
+    copy = torch.from_numpy(np.array(raw.view(np.uint8).reshape(*dims[:-1], -1)))  # (F16 / BF16: their bytes)
     release_pages(t.data)
-    return QuantTensor(t.tensor_type, copy, (n, k))
+    return QuantTensor(t.tensor_type, copy, dims)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -298,19 +391,28 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 @dataclass(frozen=True)
 class QuantTensor:
     """A weight kept in its GGUF block format: ``raw`` [N, row_bytes] uint8 for an [N, K] matrix
-    (``lanes``: already in the q8 kernels' lane layout, as prepared weights keep it)."""
+    (``lanes``: already in the q8 kernels' lane layout, as prepared weights keep it), or
+    [E, N, row_bytes] for E stacked experts' matrices (:meth:`expert`)."""
 
     qtype: GGMLQuantizationType
     raw: torch.Tensor
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     lanes: bool = False
+
+    def expert(self, e: int) -> QuantTensor:
+        """Expert ``e``'s matrix of a stacked [E, N, K] tensor."""
+        return QuantTensor(self.qtype, self.raw[e], self.shape[1:], self.lanes)
+
+    def rows(self, start: int, stop: int) -> QuantTensor:
+        """Rows ``[start, stop)`` of a matrix (whole blocks: a row's blocks are its own)."""
+        return QuantTensor(self.qtype, self.raw[start:stop], (stop - start, self.shape[1]), self.lanes)
 
 
 def _kernel_type(t: Any) -> bool:
     """True if :class:`quickdraft.quant.ggml.GGMLLinear` computes on this matrix's blocks directly."""
     from quickdraft.quant.ggml import SUPPORTED_TYPES, block_size
 
-    return t.tensor_type in SUPPORTED_TYPES and len(t.shape) == 2 and int(t.shape[0]) % block_size(t.tensor_type) == 0
+    return t.tensor_type in SUPPORTED_TYPES and len(t.shape) in (2, 3) and int(t.shape[0]) % block_size(t.tensor_type) == 0
 
 
 @dataclass
@@ -355,7 +457,7 @@ def iter_tensors(
         if keep_quantized and _kernel_type(t):
             yield name, _quant_tensor(t, name, cfg, permute)
             continue
-        if keep_quantized and len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32:
+        if keep_quantized and len(t.shape) in (2, 3) and t.tensor_type != GGMLQuantizationType.F32:
             dequantized.add(t, 4 * int(np.prod(t.shape)))  # formats the kernels lack: fp32 below
         try:
             w = dequantize(t.data, t.tensor_type)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -117,7 +116,7 @@ def load_model(
         meta = gguf_io.metadata(reader)
         cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
         if (factors := gguf_io.rope_freq_factors(reader)) is not None:
-            cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors})
+            cfg = gguf_io.with_rope_factors(cfg, factors)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         tensors = gguf_io.iter_tensors(reader, cfg, keep_quantized=quantized)
     max_len = _context_length(cfg, max_context)

@@ -154,7 +154,7 @@ def mix_experts(
     return acc.to(x.dtype)
 
 
-_STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?")
+_STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?")
 
 
 def convert_expert_layouts(
@@ -182,22 +182,34 @@ def convert_expert_layouts(
         if m is None:
             yield name, tensor
             continue
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
-            raise QuickdraftError(
-                f"stacked expert tensor {name} must be a plain [experts, rows, columns] array; "
-                "quantized stacked experts are not supported, use the safetensors checkpoint"
-            )
         prefix, kind = m.groups()
-        stacked = tensor.transpose(1, 2) if input_major else tensor  # -> [E, out, in]
-        for e, w in enumerate(stacked.unbind(0)):
+        for e, w in enumerate(_experts(name, tensor, input_major)):
             if kind == "gate_up_proj":
-                if w.shape[0] % 2:
-                    raise QuickdraftError(f"{name} has an odd number of gate/up rows {w.shape[0]}")
-                gate, up = w.chunk(2, dim=0)
+                rows = int(w.shape[0])
+                if rows % 2:
+                    raise QuickdraftError(f"{name} has an odd number of gate/up rows {rows}")
+                if isinstance(w, torch.Tensor):
+                    gate, up = w.chunk(2, dim=0)
+                else:  # a GGUF's blocks: whole rows each
+                    gate, up = w.rows(0, rows // 2), w.rows(rows // 2, rows)
                 yield f"{prefix}.{e}.gate_proj.weight", gate
                 yield f"{prefix}.{e}.up_proj.weight", up
             else:
-                yield f"{prefix}.{e}.down_proj.weight", w
+                yield f"{prefix}.{e}.{kind}.weight", w
+
+
+def _experts(name: str, tensor: Any, input_major: bool) -> list[Any]:
+    """A stacked [E, out, in] tensor's E matrices (float, or a GGUF's blocks kept per expert)."""
+    from quickdraft.loading.gguf import QuantTensor
+
+    if isinstance(tensor, QuantTensor) and len(tensor.shape) == 3 and not input_major:
+        return [tensor.expert(e) for e in range(tensor.shape[0])]
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+        raise QuickdraftError(
+            f"stacked expert tensor {name} must be an [experts, rows, columns] array; this one cannot be split "
+            "per expert (use the safetensors checkpoint)"
+        )
+    return list((tensor.transpose(1, 2) if input_major else tensor).unbind(0))  # -> [E, out, in]
 
 
 def check_moe_config(cfg: ModelConfig) -> None:
