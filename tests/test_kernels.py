@@ -45,14 +45,16 @@ from quickdraft.quant.ggml import (
 
 Q = GGMLQuantizationType
 # Block formats (the q8 GEMM's), then the float matrices the f32 kernels read as they are.
-BLOCK_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+BLOCK_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
+                 Q.MXFP4]
 FLOAT_FORMATS = [Q.F16, Q.BF16]
 FORMATS = BLOCK_FORMATS + FLOAT_FORMATS
 # Byte offsets of the fp16 fields (scales, mins) inside each block.
 FP16_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.IQ4_NL: [0], Q.Q2_K: [80, 82],
-    Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0],
+    Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0], Q.MXFP4: [],
 }
+E8M0_FIELDS = {Q.MXFP4: [0]}  # byte offsets of power-of-two scales (2^(e - 128))
 UNSUPPORTED = Q.IQ2_XXS  # a GGML type without a kernel (66 bytes per 256 values)
 ROWS = [1, 2, 3, 4, 7, 8, 9, 16, 31, 32, 33, 100]
 
@@ -74,6 +76,8 @@ def random_raw(
     for off in FP16_FIELDS[qtype]:
         vals = np.clip(rng.standard_normal(nb) * scale, -65000, 65000).astype(np.float16)  # finite
         raw[:, off : off + 2] = vals.view(np.uint8).reshape(nb, 2)
+    for off in E8M0_FIELDS.get(qtype, []):  # scales around ``scale`` / 4 (the values reach 12 / 2)
+        raw[:, off] = np.clip(round(126 + np.log2(scale)) + rng.integers(-3, 1, size=nb), 1, 254).astype(np.uint8)
     return raw.reshape(n, k // bs * ts)
 
 
@@ -209,6 +213,27 @@ def test_kernel_dequant_bit_exact_random(qtype):
         raw = random_raw(qtype, 21, 3 * max(bs, 256), seed=seed, scale=scale)
         lin = GGMLLinear(qtype, torch.from_numpy(raw), raw.shape[1] // ts * bs)
         assert np.array_equal(bits(lin.dequantize()), bits(gguf_dequantize(raw, qtype)))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_mxfp4_every_scale_byte_and_value_bit_exact():
+    """Every E8M0 scale byte (0 and 1: fp32 subnormals 2^-128, 2^-127; 255: 2^127) with every FP4
+    nibble dequantizes as gguf does, in the torch reference and in the kernels, and equals the
+    format's definition 2^(e - 128) * kvalues_mxfp4 (the E2M1 values doubled)."""
+    ts = GGML_QUANT_SIZES[Q.MXFP4][1]
+    blocks = np.zeros((256, ts), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = np.array([0x10 * (i % 16) + (15 - i % 16) for i in range(16)], dtype=np.uint8)
+    raw = blocks.reshape(16, -1)
+    want = gguf_dequantize(raw, Q.MXFP4)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    nibbles = [15 - i % 16 for i in range(16)] + [i % 16 for i in range(16)]
+    exact = np.array([[np.ldexp(e2m1[q], e - 127) for q in nibbles] for e in range(256)], dtype=np.float64)
+    with np.errstate(over="ignore"):  # (2^127 * 6 is past fp32's range: inf, as in gguf)
+        assert np.array_equal(want.reshape(256, 32), exact.astype(np.float32))
+    assert np.array_equal(bits(dequantize_reference(Q.MXFP4, torch.from_numpy(raw), 16 * 32)), bits(want))
+    if kernels_available():
+        assert np.array_equal(bits(GGMLLinear(Q.MXFP4, torch.from_numpy(raw), 16 * 32).dequantize()), bits(want))
 
 
 def _real_tensors(path: Path, want: dict[GGMLQuantizationType, int]) -> list:
@@ -457,7 +482,7 @@ def test_q8_extreme_blocks_do_not_saturate(qtype):
     n, k = 9, 512
     raw = random_raw(qtype, n, k, seed=3, scale=1.0)
     blocks = raw.reshape(-1, ts)
-    fp16 = set()
+    fp16 = set(E8M0_FIELDS.get(qtype, []))  # (scale bytes keep their value)
     for off in FP16_FIELDS[qtype]:
         fp16 |= {off, off + 1}
     # Q8_0: -128; IQ4: index 0 = -127 (and IQ4_XS scales -32); others: all bits set
@@ -880,7 +905,7 @@ def test_q8_isas_bitwise_equal(qtype):
     n, k = 21, 2 * max(bs, 256)
     raw = random_raw(qtype, n, k, seed=21)
     extreme = raw.reshape(-1, ts).copy()
-    fp16 = {b for off in FP16_FIELDS[qtype] for b in (off, off + 1)}
+    fp16 = {b for off in FP16_FIELDS[qtype] for b in (off, off + 1)} | set(E8M0_FIELDS.get(qtype, []))
     extreme[:, [c for c in range(ts) if c not in fp16]] = {Q.Q8_0: 0x80, Q.IQ4_NL: 0, Q.IQ4_XS: 0}.get(qtype, 0xFF)
     bias = torch.randn(n)
     g = torch.Generator().manual_seed(5)

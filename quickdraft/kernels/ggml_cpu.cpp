@@ -62,7 +62,7 @@ namespace {
 using namespace qd;
 
 // GGML type ids (gguf.GGMLQuantizationType): the block formats of ggml_q8.h, and the float ones.
-using q8::T_IQ4_NL, q8::T_IQ4_XS, q8::T_Q2_K, q8::T_Q3_K, q8::T_Q4_0, q8::T_Q4_1, q8::T_Q4_K, q8::T_Q5_0, q8::T_Q5_1,
+using q8::T_IQ4_NL, q8::T_IQ4_XS, q8::T_MXFP4, q8::T_Q2_K, q8::T_Q3_K, q8::T_Q4_0, q8::T_Q4_1, q8::T_Q4_K, q8::T_Q5_0, q8::T_Q5_1,
     q8::T_Q5_K, q8::T_Q6_K, q8::T_Q8_0;
 enum : int64_t { T_F16 = 1, T_BF16 = 30 };
 
@@ -82,6 +82,7 @@ void dispatch(int64_t qtype, Fn&& fn) {
     case T_Q5_K: fn(Q5_K{}); break;
     case T_Q6_K: fn(Q6_K{}); break;
     case T_IQ4_NL: fn(IQ4_NL{}); break;
+    case T_MXFP4: fn(MXFP4{}); break;
     case T_IQ4_XS: fn(IQ4_XS{}); break;
     default: TORCH_CHECK(false, "quickdraft kernels: unsupported GGML type ", qtype);
   }
@@ -372,7 +373,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TORCH_CHECK(order_matches<Q4_0>() && order_matches<Q4_1>() && order_matches<Q5_0>() && order_matches<Q8_0>() &&
                   order_matches<Q4_K>() && order_matches<Q6_K>() && order_matches<F16>() && order_matches<BF16>() &&
                   order_matches<Q5_1>() && order_matches<Q2_K>() && order_matches<Q3_K>() && order_matches<Q5_K>() &&
-                  order_matches<IQ4_NL>() && order_matches<IQ4_XS>(),
+                  order_matches<IQ4_NL>() && order_matches<IQ4_XS>() &&
+                  order_matches<MXFP4>(),
               "quickdraft kernels: a format's ORDER table does not match its seg() order");
   m.doc() = "quickdraft: GGML quantized linear kernels (AVX2/FMA/F16C, OpenMP)";
   m.def("linear", &linear, "y = x @ dequant(raw).T (+ bias); x fp32 [T, K] -> y fp32 [T, N]", pybind11::arg("qtype"),

@@ -327,6 +327,16 @@ struct IQ4_NLD {  // d: f16, qs[16] (nibble indices); w = d * value
     for (int e = 0; e < 32; ++e) w[e] = d * static_cast<float>(IQ4NL_VALUES[(b[2 + e % 16] >> (4 * (e / 16))) & 15]);
   }
 };
+struct MXFP4D {  // e: E8M0, qs[16] (nibble indices, IQ4_NL's order); w = 2^(e - 128) * kvalues_mxfp4
+  static constexpr int64_t BS = 32, TS = 17;
+  static QD_INLINE void decode(const uint8_t* b, float* w) {
+    static constexpr int8_t VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : static_cast<uint32_t>(b[0] - 1) << 23;
+    float d;
+    std::memcpy(&d, &bits, 4);
+    for (int e = 0; e < 32; ++e) w[e] = d * static_cast<float>(VALUES[(b[1 + e % 16] >> (4 * (e / 16))) & 15]);
+  }
+};
 struct Q2_KD {  // scales[16] (low 4: scale, high 4: min), qs[64], d, dmin: w = d*sc*q - dmin*m per 16
   static constexpr int64_t BS = 256, TS = 84;
   static QD_INLINE void decode(const uint8_t* b, float* w) {
@@ -383,6 +393,7 @@ struct IQ4_XSD {  // d, scales_h: u16, scales_l[4], qs[128]: w = d*(scale-32) * 
 };
 using Q5_1 = Whole<Q5_1D>;
 using IQ4_NL = Whole<IQ4_NLD>;
+using MXFP4 = Whole<MXFP4D>;
 using Q2_K = Whole<Q2_KD>;
 using Q3_K = Whole<Q3_KD>;
 using Q5_K = Whole<Q5_KD>;

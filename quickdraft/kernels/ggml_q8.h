@@ -355,6 +355,44 @@ struct IQ4_NLL {
   }
 };
 
+// MXFP4 (OCP microscaling FP4, GPT-OSS's experts): [e x 8][qs' 128]: per 32-block one E8M0 byte e
+// and 32 FP4 (E2M1) nibbles in IQ4_NL's order. The nibbles index llama.cpp's kvalues_mxfp4 (twice
+// the E2M1 values, so integers: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and the scale is
+// 2^(e - 128) (half of 2^(e - 127), ggml_e8m0_to_fp32_half): exact in fp32 for every byte.
+QD_INLINE __m256i mxfp4_table() {
+  const __m128i t = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  return _mm256_set_m128i(t, t);
+}
+// 8 E8M0 bytes -> 2^(e - 128) as fp32: bits (e - 1) << 23, or for e < 2 the subnormals 0x200000 << e.
+QD_INLINE __m256 e8m0_half8(const uint8_t* p) {
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+  const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), _mm256_min_epi32(e, one));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, one)));
+}
+struct MXFP4L {
+  static constexpr int64_t BS = 256, TS = 8 * 17, GBS = 32, GTS = 17;
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 12;
+  static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = true;  // values -12 .. 12
+  struct Pre {
+    __m256 d;
+  };
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = e8m0_half8(b); }
+  static QD_INLINE int acc_of(int v) { return v % 2; }
+  template <class P>
+  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
+    __m256i lo, hi;
+    nibble_pair(b + 8 + 32 * s, lo, hi);
+    const __m256i t = mxfp4_table();
+    put(2 * s, _mm256_shuffle_epi8(t, lo));
+    put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+  }
+  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // LANES: Q4_K and Q6_K repacked (losslessly, at load: repack_lanes below) so that lane j of every
 // 32-byte weight vector holds 4 values of 32-group j (the activations in KL mode are permuted the
@@ -667,14 +705,17 @@ inline void repack_lanes(int64_t qtype, uint8_t* blocks, int64_t n, bool to_lane
 // The byte layout of a 32-block format in GGML and in lanes (8 blocks per super-block of 256).
 struct Layout32 {
   int64_t gts;  // GGML block bytes
-  int nsc;      // fp16 fields per block (d; Q4_1 / Q5_1: d, m): GGML bytes 2k, lanes 16k + 2j (block j)
+  int nsc;      // scale fields per block (d; Q4_1 / Q5_1: d, m), of scb bytes each: GGML bytes scb k,
+                // lanes 8 scb k + scb j (block j)
   int64_t gqh, lqh;  // the 32 fifth bits: GGML u32 at gqh (bit e: element e), lanes plane at lqh; 0: none
   int64_t gqs, lqs;  // the values: GGML nibbles at gqs (element e < 16 low, else high) or int8 (Q8_0);
                      // lanes at lqs: vector 2u's byte b in the low nibble of byte 32u + b, 2u + 1's high
+  int scb = 2;       // bytes per scale field: 2 (fp16), MXFP4's E8M0: 1
 };
 constexpr Layout32 layout32(int64_t qtype) {
   switch (qtype) {
     case 2: case 20: return {18, 1, 0, 0, 2, 16};  // Q4_0, IQ4_NL
+    case 39: return {17, 1, 0, 0, 1, 8, 1};        // MXFP4
     case 3: return {20, 2, 0, 0, 4, 32};           // Q4_1
     case 6: return {22, 1, 2, 16, 6, 48};          // Q5_0
     case 7: return {24, 2, 4, 32, 8, 64};          // Q5_1
@@ -701,9 +742,9 @@ void repack_lanes32_t(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K, bo
       uint8_t* l = to_lanes ? out + sb * 8 * L.gts : const_cast<uint8_t*>(in + sb * 8 * L.gts);  // its super-block
       for (int k = 0; k < L.nsc; ++k) {
         if (to_lanes)
-          std::memcpy(l + 16 * k + 2 * j, g + 2 * k, 2);
+          std::memcpy(l + 8 * L.scb * k + L.scb * j, g + L.scb * k, L.scb);
         else
-          std::memcpy(go + 2 * k, l + 16 * k + 2 * j, 2);
+          std::memcpy(go + L.scb * k, l + 8 * L.scb * k + L.scb * j, L.scb);
       }
       uint32_t qh = 0;  // the fifth bits: read once per block (to lanes) or gathered, then stored
       if (L.gqh && to_lanes) std::memcpy(&qh, g + L.gqh, 4);
@@ -740,6 +781,7 @@ inline void repack_lanes32(int64_t qtype, const uint8_t* src, uint8_t* dst, int6
     case 6: return repack_lanes32_t<6>(src, dst, N, K, to_lanes, nthreads);
     case 7: return repack_lanes32_t<7>(src, dst, N, K, to_lanes, nthreads);
     case 20: return repack_lanes32_t<20>(src, dst, N, K, to_lanes, nthreads);
+    case 39: return repack_lanes32_t<39>(src, dst, N, K, to_lanes, nthreads);
     default: return repack_lanes32_t<8>(src, dst, N, K, to_lanes, nthreads);
   }
 }
@@ -1074,7 +1116,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, const 
 // GGML type ids (gguf.GGMLQuantizationType)
 enum : int64_t {
   T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
-  T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23
+  T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39
 };
 // The lane layouts' ids (not GGML types): the GGML id + LANES_ID.
 constexpr int64_t LANES_ID = 1000;
@@ -1089,6 +1131,7 @@ bool dispatch(int64_t qtype, Fn&& fn) {
     case T_Q5_1 + LANES_ID: fn(Q5_1L{}); return true;
     case T_Q8_0 + LANES_ID: fn(Q8_0L{}); return true;
     case T_IQ4_NL + LANES_ID: fn(IQ4_NLL{}); return true;
+    case T_MXFP4 + LANES_ID: fn(MXFP4L{}); return true;
     case T_Q2_K + LANES_ID: fn(Q2_KL{}); return true;
     case T_Q3_K + LANES_ID: fn(Q3_KL{}); return true;
     case T_Q4_K + LANES_ID: fn(Q4_KL{}); return true;

@@ -1,6 +1,6 @@
 """Linear layers that keep GGUF weights in their own GGML blocks.
 
-Block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32 values per block) and Q2_K, Q3_K, Q4_K, Q5_K,
+Block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4 (32 values per block) and Q2_K, Q3_K, Q4_K, Q5_K,
 Q6_K, IQ4_XS (256 per block); F16 and BF16 matrices are kept as they are and always multiplied
 with fp32 activations (the f32 kernels, 32 values at a time).
 
@@ -189,6 +189,18 @@ def _dq_iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4(torch.cat([qs & 0x0F, qs >> 4], dim=2))).reshape(nb, 256)
 
 
+# llama.cpp's kvalues_mxfp4: the 16 FP4 (E2M1) values doubled, which a 2^(e - 128) scale undoes
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _dq_mxfp4(b: torch.Tensor) -> torch.Tensor:
+    e = b[:, 0:1].to(torch.int32)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+    d = bits.view(torch.float32)  # 2^(e - 128): ggml_e8m0_to_fp32_half
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    return d * values[_nibbles(b[:, 1:17]).long()]
+
+
 def _dq_f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).to(torch.float32)
 
@@ -222,6 +234,7 @@ _DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q5_K: _dq_q5_k,
     Q.Q6_K: _dq_q6_k,
     Q.IQ4_XS: _dq_iq4_xs,
+    Q.MXFP4: _dq_mxfp4,
     Q.F16: _dq_f16,
     Q.BF16: _dq_bf16,
 }
