@@ -16,15 +16,18 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
 from safetensors.torch import load_file, save_file
 from test_concurrency import alone, requests, together
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
-from tiny import load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
+from tiny import gpt_oss_to_gguf, load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
 
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.gpt_oss import SinkAttention
+from quickdraft.quant.ggml import GGMLLinear, set_activation_mode
 from quickdraft.speculative.ngram import NGramDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,10 +140,12 @@ def dequant(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.flatten(-2)
 
 
-def test_mxfp4_checkpoint_loads_the_blocks_values(folder: Path, tmp_path: Path) -> None:
+def test_mxfp4_checkpoint_keeps_the_blocks_for_the_native_kernel(folder: Path, tmp_path: Path) -> None:
     """Experts stored as MXFP4 blocks (``*_blocks`` [E, out, K/32, 16], ``*_scales`` [E, out, K/32], as
-    the published GPT-OSS checkpoints) give bitwise the model whose float experts hold the blocks'
-    values; loading says they were dequantized."""
+    the published GPT-OSS checkpoints) stay in their blocks: each expert projection is an MXFP4
+    kernel layer whose weights are exactly the blocks' values (dequantized in the test from the
+    format's definition), gate and up rows de-interleaved; with exact fp32 activations the logits
+    are the float model's, with int8 activations (the default) close; speculation stays lossless."""
     weights = load_file(str(folder / "model.safetensors"))
     quant, exact = dict(weights), dict(weights)
     for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -156,7 +161,49 @@ def test_mxfp4_checkpoint_loads_the_blocks_values(folder: Path, tmp_path: Path) 
         (out / "config.json").write_text((folder / "config.json").read_text())
         save_file(tensors, str(out / "model.safetensors"))
         models.append(load_model(str(out), dtype="float32", max_context=256))
-    ids = models[0].tokenizer.encode(TEXT)[:30]
-    assert torch.equal(logits(models[0], ids), logits(models[1], ids))
-    assert any("MXFP4 experts dequantized" in n for n in models[0].model.load_notes)
+    blocks_model, float_model = models
+    for layer_q, layer_f in zip(blocks_model.model.model.layers, float_model.model.model.layers, strict=True):
+        for eq, ef in zip(layer_q.mlp.experts, layer_f.mlp.experts, strict=True):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                mq, mf = getattr(eq, proj), getattr(ef, proj)
+                assert isinstance(mq, GGMLLinear) and mq.qtype == GGMLQuantizationType.MXFP4
+                assert torch.equal(mq.dequantize(), mf.weight) and torch.equal(mq.bias, mf.bias)
+    ids = blocks_model.tokenizer.encode(TEXT)[:30]
+    want = logits(float_model, ids)
+    set_activation_mode(blocks_model.model, "f32")
+    assert (logits(blocks_model, ids) - want).abs().max() < 1e-4
+    set_activation_mode(blocks_model.model, "q8")
+    assert (logits(blocks_model, ids) - want).abs().mean() < 0.02
+    qcase = make_case(blocks_model, TEXT[:60], 20)
+    check_scripted(qcase, "partly", 4)
     assert json.loads((folder / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+# ------------------------------------------------------------------------- GGUF
+
+
+def test_gguf_matches_transformers_and_keeps_mxfp4_experts(folder: Path, tmp_path: Path) -> None:
+    """A GGUF as llama.cpp's converter writes GPT-OSS (gate / up experts apart, biases, sinks, YaRN
+    keys) gives transformers' logits; with MXFP4 experts (what the released GGUFs hold) every expert
+    projection stays an MXFP4 kernel layer holding exactly the file's values, and speculation
+    equals plain decoding."""
+    path = gpt_oss_to_gguf(folder, tmp_path / "f32.gguf")
+    loaded = load_model(str(path), dtype="float32", max_context=256)
+    cfg = loaded.config
+    assert cfg.model_type == "gpt_oss" and cfg.num_experts == 4 and cfg.sliding_window == 5
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (cfg.rope_scaling or {}).get("rope_type") == "yarn"
+    ids = loaded.tokenizer.encode(TEXT)
+    assert (logits(loaded, ids) - reference_logits(load_reference(folder), ids)).abs().max() < 1e-4
+    path = gpt_oss_to_gguf(folder, tmp_path / "mxfp4.gguf", {"exps.weight": "MXFP4", "attn_q.weight": "Q8_0"})
+    quant = load_model(str(path), dtype="auto", max_context=256)
+    reader = GGUFReader(str(path))
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    assert down.tensor_type == GGMLQuantizationType.MXFP4
+    stacked = torch.from_numpy(gguf_dequantize(down.data, down.tensor_type).copy())  # [E, H, I]
+    for e, expert in enumerate(quant.model.model.layers[1].mlp.experts):
+        assert isinstance(expert.down_proj, GGMLLinear) and expert.down_proj.qtype == GGMLQuantizationType.MXFP4
+        assert torch.equal(expert.down_proj.dequantize(), stacked[e])
+    qcase = make_case(quant, TEXT[:60], 20)
+    check_scripted(qcase, "partly", 4)
+    assert qcase.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4).ids == qcase.truth

@@ -637,6 +637,75 @@ def gemma4_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = Non
     return path
 
 
+def gpt_oss_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -> Path:
+    """A tiny GPT-OSS folder as llama.cpp's converter writes it (conversion/gpt_oss.py, arch
+    "gpt-oss"): the interleaved gate/up experts split into ffn_gate_exps / ffn_up_exps [E, I, H]
+    (biases [E, I]), down as ffn_down_exps [E, H, I], sinks as attn_sinks.weight, the router as
+    ffn_gate_inp; YaRN and expert keys; ``qtypes`` as in :func:`hf_to_gguf` (e.g. MXFP4 experts)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(str(folder))
+    rope = c.rope_parameters
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name(folder.name)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_vocab_size(c.vocab_size)
+    gguf_tokenizer_metadata(w)
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias", "self_attn.o_proj.bias": "attn_output.bias"}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        a = tensor.float().numpy()
+        if name in _GGUF_GLOBAL:
+            out = [(_GGUF_GLOBAL[name], a)]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            blk = f"blk.{layer}."
+            if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I] -> gate / up [E, I, H]
+                t = a.transpose(0, 2, 1)
+                out = [(blk + "ffn_gate_exps.weight", t[:, 0::2]), (blk + "ffn_up_exps.weight", t[:, 1::2])]
+            elif rest == "mlp.experts.gate_up_proj_bias":
+                out = [(blk + "ffn_gate_exps.bias", a[:, 0::2]), (blk + "ffn_up_exps.bias", a[:, 1::2])]
+            elif rest == "mlp.experts.down_proj":  # [E, I, H] -> [E, H, I]
+                out = [(blk + "ffn_down_exps.weight", a.transpose(0, 2, 1))]
+            elif rest == "mlp.experts.down_proj_bias":
+                out = [(blk + "ffn_down_exps.bias", a)]
+            else:
+                out = [(blk + (names.get(rest) or _GGUF_LAYER[rest]), a)]
+        for gname, arr in out:
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            qtype = next((q for suffix, q in (qtypes or {}).items() if gname.endswith(suffix)), None)
+            if qtype is None:
+                w.add_tensor(gname, arr)
+            else:
+                kind = gguf.GGMLQuantizationType[qtype]
+                w.add_tensor(gname, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def load_reference(folder: Path) -> Any:
     """The transformers model stored in ``folder``, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

@@ -29,7 +29,7 @@ from quickdraft.loading.gguf_file import GGUFFile, release_pages
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
-                      "qwen35": "qwen3_5", "gemma4": "gemma4_text"}
+                      "qwen35": "qwen3_5", "gemma4": "gemma4_text", "gpt-oss": "gpt_oss"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -72,6 +72,16 @@ _ARCH_LAYER_NAMES = {
         "ssm_a": "linear_attn.A_log",
         "ssm_norm.weight": "linear_attn.norm.weight",
         "ssm_out.weight": "linear_attn.out_proj.weight",
+    },
+    # GPT-OSS: sinks, the output projection's bias, the router with its bias, stacked experts (gate
+    # and up apart, each with a bias; MXFP4 blocks in the released files).
+    "gpt_oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_sinks.weight": "self_attn.sinks",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+        "ffn_gate_inp.bias": "mlp.gate.bias",
+        **{f"ffn_{p}_exps.{f}": f"mlp.experts.{p}_proj.{f}" for p in ("gate", "up", "down") for f in ("weight", "bias")},
     },
     # Gemma 4: Gemma 3's four norms, the layer scalar, the per-layer embedding branch, and the
     # routed experts' router (its input scale and per-expert scales) and norms.
@@ -185,6 +195,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     )
     if arch == "gemma3":
         cfg = dataclasses.replace(cfg, **_gemma3_fields(meta, cfg))
+    elif arch == "gpt-oss":
+        cfg = dataclasses.replace(cfg, **_gpt_oss_fields(meta, cfg))
     elif arch == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(meta, cfg, tensor_names))
     elif arch == "qwen35":
@@ -244,6 +256,30 @@ def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         "linear_num_value_heads": nv,
         "linear_value_head_dim": int(get("ssm.inner_size")) // nv,
         "linear_value_heads_tiled": True,
+    }
+
+
+def _gpt_oss_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """GPT-OSS as llama.cpp runs it: sliding-window attention on the even layers, biases, experts
+    (``expert_*`` keys), the clamped activation's constants (fixed in llama.cpp: 1.702 and 7); YaRN
+    as the model was trained (transformers' config), not rounded as llama.cpp's rope does."""
+    window = meta.get("gpt-oss.attention.sliding_window")
+    experts = int(meta.get("gpt-oss.expert_count") or 0)
+    if window is None or not experts:
+        raise QuickdraftError("GGUF metadata lacks 'gpt-oss.attention.sliding_window' or 'gpt-oss.expert_count'; "
+                              "the file is incomplete")
+    return {
+        "sliding_window": int(window),
+        "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_hidden_layers)),
+        "attention_bias": True,
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta.get("gpt-oss.expert_used_count") or 4),
+        "moe_intermediate_size": int(meta.get("gpt-oss.expert_feed_forward_length") or cfg.intermediate_size),
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        # YaRN without rounding the ramp's ends (the released configs' "truncate": false, which
+        # GGUF keys do not carry)
+        "rope_scaling": dict(cfg.rope_scaling, truncate=False) if cfg.rope_scaling else None,
     }
 
 
@@ -402,6 +438,11 @@ class QuantTensor:
     def expert(self, e: int) -> QuantTensor:
         """Expert ``e``'s matrix of a stacked [E, N, K] tensor."""
         return QuantTensor(self.qtype, self.raw[e], self.shape[1:], self.lanes)
+
+    def take(self, first: int, step: int) -> QuantTensor:
+        """Every ``step``-th row of a matrix from row ``first`` (GPT-OSS's interleaved gate/up)."""
+        raw = self.raw[first::step].contiguous()
+        return QuantTensor(self.qtype, raw, (int(raw.shape[0]), self.shape[1]), self.lanes)
 
     def rows(self, start: int, stop: int) -> QuantTensor:
         """Rows ``[start, stop)`` of a matrix (whole blocks: a row's blocks are its own)."""

@@ -12,7 +12,7 @@ What differs from the Llama decoder:
 * checkpoints store experts stacked: ``gate_up_proj`` [E, H, 2I] with gate and up columns
   interleaved, ``down_proj`` [E, I, H], their biases, or as MXFP4 blocks (``*_blocks``
   [E, out, K/32, 16]: two FP4 E2M1 values per byte, low nibble first, and ``*_scales``
-  [E, out, K/32]: E8M0 exponents), dequantized here at load (no native MXFP4 kernel yet).
+  [E, out, K/32]: E8M0 exponents), kept in their blocks (as GGML MXFP4) for the native kernel.
 """
 
 from __future__ import annotations
@@ -24,27 +24,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gguf import GGMLQuantizationType
+
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.loading.gguf import QuantTensor
 from quickdraft.models import causal_lm, layers
 from quickdraft.models.gemma3 import is_sliding
 from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, embedding, linear_group
-from quickdraft.models.moe import SparseMoE, check_moe_config, rowwise
+from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts, rowwise
 
-# FP4 (E2M1) values of the 16 codes (MXFP4, the OCP Microscaling spec)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks [..., G, 16] uint8 and E8M0 scales [..., G] -> float32 [..., G * 32]: value
-    ``FP4[code] * 2^(scale - 127)``, the low nibble of byte i holding element 2i."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
+    """A checkpoint's MXFP4 ``blocks`` [E, out, G, 16] (two FP4 codes per byte, element 2i in byte
+    i's low nibble) and E8M0 ``scales`` [E, out, G] as GGML MXFP4 blocks (``[e][16 bytes]``: element
+    j in byte j's low nibble, j + 16 in its high one), the layout the native kernel computes on:
+    the same codes and exponents (GGML's values are the E2M1 ones doubled, its scale 2^(e - 128)
+    instead of 2^(e - 127)), so the weights are exactly the checkpoint's."""
+    if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise QuickdraftError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     b = blocks.to(torch.uint8)
-    out = torch.stack([lut[(b & 0x0F).long()], lut[(b >> 4).long()]], dim=-1).flatten(-2)  # [..., G, 32]
-    out = torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return out.flatten(-2)
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [E, out, G, 32] in element order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    raw = torch.cat([scales.to(torch.uint8).unsqueeze(-1), packed], dim=-1)  # [E, out, G, 17]
+    e, out, g = scales.shape
+    return QuantTensor(GGMLQuantizationType.MXFP4, raw.reshape(e, out, g * 17).contiguous(), (e, out, g * 32))
 
 
 class SinkAttention(Attention):
@@ -91,7 +94,7 @@ class Expert(nn.Module):
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * rowwise(torch.sigmoid, gate * self.alpha)
-        return self.down_proj((up + 1) * glu)
+        return self.down_proj((up + 1) * glu).to(x.dtype)  # (MXFP4 experts compute in fp32)
 
 
 class DecoderLayer(layers.DecoderLayer):
@@ -126,9 +129,9 @@ class CausalLM(causal_lm.CausalLM):
     backbone = _Backbone
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The router as ``mlp.gate``, stacked experts (float or MXFP4) split per expert."""
+        """The router as ``mlp.gate``, stacked experts split per expert: float, MXFP4 (kept in their
+        blocks for the native kernel), or a GGUF's (gate and up apart, already per projection)."""
         pending: dict[str, torch.Tensor] = {}  # MXFP4 blocks or scales waiting for their other half
-        dequantized = 0
         for name, tensor in tensors:
             name = name.replace(".mlp.router.", ".mlp.gate.")
             if name.endswith(("_blocks", "_scales")):
@@ -138,37 +141,32 @@ class CausalLM(causal_lm.CausalLM):
                     pending[name] = tensor
                     continue
                 blocks, scales = (tensor, pending.pop(other)) if part == "blocks" else (pending.pop(other), tensor)
-                w = dequantize_mxfp4(blocks, scales)  # [E, out, in]
-                dequantized += w.numel()
-                yield from self._split(base, w, out_major=True)
+                yield from self._split(base, mxfp4_blocks(blocks, scales), out_major=True)
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "_bias")) and ".experts." in name:
                 yield from self._split(name, tensor, out_major=False)
             else:
-                yield name, tensor
+                yield from convert_expert_layouts([(name, tensor)])
         if pending:
             raise QuickdraftError(f"MXFP4 tensors without their other half: {', '.join(sorted(pending))}")
-        if dequantized:
-            self.load_notes.append(
-                f"MXFP4 experts dequantized at load ({dequantized * 4 / 2**30:.1f} GB as float32): quickdraft has no "
-                "native MXFP4 kernel yet"
-            )
 
     @staticmethod
-    def _split(name: str, w: torch.Tensor, out_major: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _split(name: str, w: torch.Tensor | QuantTensor, out_major: bool) -> Iterator[tuple[str, Any]]:
         """``*.experts.gate_up_proj[_bias]`` / ``*.experts.down_proj[_bias]`` -> per expert parameters.
         Matrices come as [E, in, out] (``out_major``: [E, out, in], MXFP4's); gate and up alternate."""
         prefix, _, kind = name.rpartition(".experts.")
         bias = kind.endswith("_bias")
         kind = kind.removesuffix("_bias")
-        for e, x in enumerate(w.unbind(0)):
-            if not bias and not out_major:
-                x = x.t()
-            x = x.contiguous()
-            suffix = "bias" if bias else "weight"
-            if kind == "gate_up_proj":
-                yield f"{prefix}.experts.{e}.gate_proj.{suffix}", x[0::2].contiguous()
-                yield f"{prefix}.experts.{e}.up_proj.{suffix}", x[1::2].contiguous()
-            elif kind == "down_proj":
-                yield f"{prefix}.experts.{e}.down_proj.{suffix}", x
+        if kind not in ("gate_up_proj", "down_proj"):
+            raise QuickdraftError(f"unexpected GPT-OSS expert tensor {name}")
+        suffix = "bias" if bias else "weight"
+        for e in range(int(w.shape[0])):
+            x: Any
+            if isinstance(w, QuantTensor):
+                x = w.expert(e)
+                parts = (x.take(0, 2), x.take(1, 2)) if kind == "gate_up_proj" else (x,)
             else:
-                raise QuickdraftError(f"unexpected GPT-OSS expert tensor {name}")
+                x = w[e] if bias or out_major else w[e].t()
+                parts = (x[0::2].contiguous(), x[1::2].contiguous()) if kind == "gate_up_proj" else (x.contiguous(),)
+            names = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for proj, part in zip(names, parts, strict=True):
+                yield f"{prefix}.experts.{e}.{proj}.{suffix}", part

@@ -154,7 +154,7 @@ def mix_experts(
     return acc.to(x.dtype)
 
 
-_STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?")
+_STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.(weight|bias))?")
 
 
 def convert_expert_layouts(
@@ -182,7 +182,13 @@ def convert_expert_layouts(
         if m is None:
             yield name, tensor
             continue
-        prefix, kind = m.groups()
+        prefix, kind, field = m.groups()
+        if field == "bias":  # [E, out] (GGUF's GPT-OSS experts)
+            if kind == "gate_up_proj" or not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+                raise QuickdraftError(f"stacked expert bias {name} must be an [experts, rows] array of one projection")
+            for e, b in enumerate(tensor.unbind(0)):
+                yield f"{prefix}.{e}.{kind}.bias", b
+            continue
         for e, w in enumerate(_experts(name, tensor, input_major)):
             if kind == "gate_up_proj":
                 rows = int(w.shape[0])
