@@ -22,7 +22,13 @@ from safetensors.torch import load_file, save_file
 from test_concurrency import alone, requests, together
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
-from tiny import gpt_oss_to_gguf, load_reference, make_tiny_hf_model, reference_logits, write_tokenizer
+from tiny import (
+    gpt_oss_to_gguf,
+    load_reference,
+    make_tiny_hf_model,
+    reference_logits,
+    write_tokenizer,
+)
 
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model

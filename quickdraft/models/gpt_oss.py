@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from gguf import GGMLQuantizationType
+from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
@@ -33,6 +32,7 @@ from quickdraft.models import causal_lm, layers
 from quickdraft.models.gemma3 import is_sliding
 from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, embedding, linear_group
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts, rowwise
+
 
 def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
     """A checkpoint's MXFP4 ``blocks`` [E, out, G, 16] (two FP4 codes per byte, element 2i in byte
