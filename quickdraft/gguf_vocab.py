@@ -126,12 +126,12 @@ def vocab_from_gguf_metadata(meta: Mapping[str, Any]) -> GGUFVocab:
             "This GGUF file has no tokenizer (tokenizer.ggml.model/tokens are missing); "
             "convert the model again with llama.cpp's convert_hf_to_gguf.py, which embeds it."
         )
-    if model not in ("gpt2", "llama"):
+    if model not in ("gpt2", "llama", "gemma4"):
         raise QuickdraftError(
             f"Tokenizer type {model!r} in this GGUF file is not supported (only 'gpt2', the "
-            "byte-level BPE of Llama-3, Qwen, SmolLM... models, and 'llama', the SentencePiece "
-            "BPE of Gemma, Llama-2, Mistral, Phi-3... models). Use the model's Hugging Face "
-            "directory with its tokenizer.json instead."
+            "byte-level BPE of Llama-3, Qwen, SmolLM... models, 'llama', the SentencePiece "
+            "BPE of Gemma, Llama-2, Mistral, Phi-3... models, and 'gemma4'). Use the model's "
+            "Hugging Face directory with its tokenizer.json instead."
         )
     tokens = [str(t) for t in tokens]
     token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or ()]
@@ -139,6 +139,8 @@ def vocab_from_gguf_metadata(meta: Mapping[str, Any]) -> GGUFVocab:
     if model == "gpt2":
         backend, pairs = _byte_level_backend(meta, tokens, token_types)
         merges = [" ".join(p) for p in pairs]
+    elif model == "gemma4":
+        backend = _gemma4_backend(meta, tokens, token_types)
     else:
         backend = _sentencepiece_backend(meta, tokens, token_types)
     # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say.
@@ -280,6 +282,25 @@ def _sentencepiece_backend(
         )
         steps.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(steps)
+    _add_gguf_added_tokens(backend, tokens, token_types, None, vocab)
+    return backend
+
+
+def _gemma4_backend(meta: Mapping[str, Any], tokens: list[str], token_types: list[int]) -> _Backend:
+    """Gemma 4's BPE ("gemma4" in GGUF) as llama.cpp runs it: spaces spelled "▁", the text split
+    into runs of newlines and runs of anything else, the file's merges over raw UTF-8 characters
+    (no byte-level alphabet), bytes outside the vocabulary as ``<0x..>`` tokens."""
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise QuickdraftError("This GGUF file's 'gemma4' tokenizer has no merges (tokenizer.ggml.merges); "
+                              "convert the model again with llama.cpp.")
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token keeps its first id
+    backend = _Backend(
+        BPE(vocab=vocab, merges=[_merge_pair(str(m)) for m in merges], dropout=None, fuse_unk=False, byte_fallback=True)
+    )
+    backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     _add_gguf_added_tokens(backend, tokens, token_types, None, vocab)
     return backend
 

@@ -34,6 +34,7 @@ from quickdraft.cache import KVLayout
 from quickdraft.config import ModelConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
+from quickdraft.gguf_vocab import read_gguf_metadata, vocab_from_gguf_metadata
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.gemma4 import Gemma4Attention
 from quickdraft.models.layers import QuantEmbedding
@@ -265,3 +266,17 @@ def test_quantized_gguf_keeps_expert_blocks_and_speculates_losslessly(folders: d
         qcase = make_case(quant, TEXT[:60], 20)
         check_scripted(qcase, "partly", 4)
         assert qcase.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4).ids == qcase.truth
+
+
+def test_gguf_gemma4_tokenizer_matches_llamacpp() -> None:
+    """A "gemma4" GGUF vocabulary (spaces as "▁", BPE merges over raw UTF-8, newline runs split
+    off, byte tokens) encodes every text to the ids llama.cpp's own tokenizer gave them (recorded
+    by tests/data/make_gemma4_vocab.py), and decodes back to the text."""
+    data = Path(__file__).parent / "data"
+    vocab = vocab_from_gguf_metadata(read_gguf_metadata(data / "gemma4-vocab.gguf"))
+    want = json.loads((data / "gemma4-vocab-llamacpp.json").read_text(encoding="utf-8"))
+    assert any(len(ids) > 1 for ids in want["ids"]) and any(235 < i < 260 for ids in want["ids"] for i in ids)
+    for text, ids in zip(want["texts"], want["ids"], strict=True):
+        got = vocab.backend.encode(text, add_special_tokens=False).ids
+        assert got == ids, text
+        assert vocab.backend.decode(got) == text
