@@ -200,16 +200,18 @@ def test_block_formats_without_kernels_are_dequantized(
     tiny: Any, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With quantized weights kept (dtype auto), formats the kernels compute on stay in blocks
-    (here Q8_0, Q5_1 and BF16) and the others (MXFP4) are dequantized to plain weights instead of
+    (here Q8_0, Q5_1 and BF16) and the others (TQ2_0) are dequantized to plain weights instead of
     failing, with one line per such type saying what it costs."""
     from quickdraft.loading.gguf import QuantTensor
     from quickdraft.quant.ggml import GGMLLinear, kernels_available
 
     t = tiny("gemma3-tied")
+    wide = make_tiny_hf_model(tiny_dir, "gemma3_text", name="gemma3-256", seed=5, hidden_size=256,  # TQ2_0: 256 / block
+                              **CASES["gemma3-tied"])
     path = hf_to_gguf(
-        t.folder,
+        wide,
         tiny_dir / "mixed.gguf",
-        qtypes={"attn_q.weight": "Q8_0", "attn_k.weight": "Q5_1", "ffn_up.weight": "BF16", "ffn_gate.weight": "MXFP4"},
+        qtypes={"attn_q.weight": "Q8_0", "attn_k.weight": "Q5_1", "ffn_up.weight": "BF16", "ffn_gate.weight": "TQ2_0"},
     )
     reader = gguf_io.open_gguf(path)
     cfg = gguf_io.config_from_metadata(gguf_io.metadata(reader), {ti.name for ti in reader.tensors})
@@ -219,7 +221,7 @@ def test_block_formats_without_kernels_are_dequantized(
         assert isinstance(weights[f"model.layers.0.{name}.weight"], QuantTensor), name
     assert isinstance(weights["model.layers.0.mlp.gate_proj.weight"], torch.Tensor)
     note = [line for line in capsys.readouterr().err.splitlines() if "no native kernel" in line]
-    assert len(note) == 1 and f"{cfg.num_hidden_layers} matrices of type MXFP4" in note[0], note
+    assert len(note) == 1 and f"{cfg.num_hidden_layers} matrices of type TQ2_0" in note[0], note
     exact = load_model(str(path), dtype="float32", max_context=64)
     auto = load_model(str(path), max_context=64)
     layer = auto.model.model.layers[0]

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from test_spec import Case, check_scripted, make_case, perturbed_copy
 from tiny import (
     EOS_ID,
+    hf_to_gguf,
     load_reference,
     make_tiny_hf_model,
     reference_logits,
@@ -39,6 +40,7 @@ from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import MLP
 from quickdraft.models.moe import SparseMoE, convert_expert_layouts, route
+from quickdraft.quant.ggml import GGMLLinear
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NGramDrafter
 
@@ -607,3 +609,30 @@ def test_moe_config_defaults_leave_dense_models_alone() -> None:
     dense = dataclasses.asdict(cfg)
     assert dense["num_experts"] == 0 and dense["attention_chunk_size"] is None and dense["no_rope_layers"] == ()
     assert not dense["qk_l2_norm"] and not dense["attn_temperature_tuning"]
+
+
+# ------------------------------------------------------------------------------------ GGUF
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_gguf_moe_matches_transformers_and_keeps_expert_blocks(tmp_path: Path, name: str) -> None:
+    """A Qwen MoE GGUF as llama.cpp writes it (qwen2moe / qwen3moe: stacked ffn_*_exps, router,
+    shared expert and its gate, expert_* keys; a layer with a plain MLP stays dense) gives
+    transformers' logits; with Q8_0 experts every expert stays in its blocks and speculation
+    equals plain decoding."""
+    folder = make_moe_model(tmp_path, name, seed=4)
+    path = hf_to_gguf(folder, tmp_path / f"{name}.gguf")
+    loaded = load_model(str(path), dtype="float32", max_context=256)
+    want = load_model(str(folder), dtype="float32", max_context=256).config
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "norm_topk_prob", "mlp_only_layers"):
+        assert getattr(loaded.config, field) == getattr(want, field), field
+    ids = loaded.tokenizer.encode(TEXT)
+    got, _ = loaded.model(torch.tensor(ids), loaded.model.new_cache())
+    assert_close(got, reference_logits(load_reference(folder), ids))
+    path = hf_to_gguf(folder, tmp_path / f"{name}-q8.gguf", {"exps.weight": "Q8_0", "shexp.weight": "Q8_0"})
+    quant = load_model(str(path), dtype="auto", max_context=256)
+    moe = quant.model.model.layers[0].mlp
+    assert all(isinstance(getattr(e, p), GGMLLinear) for e in moe.experts for p in ("gate_proj", "up_proj", "down_proj"))
+    case = make_case(quant, TEXT[:60], 20)
+    check_scripted(case, "partly", 4)

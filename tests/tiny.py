@@ -19,6 +19,7 @@ produces the same checkpoint.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,11 @@ _GGUF_ARCH_LAYER = {
         "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     },
 }
+_GGUF_MOE = {  # the router and the shared expert (qwen2moe / qwen3moe)
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+}
 _GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -352,7 +358,8 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(folder))
-    arch = {"mistral": "llama", "gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    arch = {"mistral": "llama", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}.get(
+        config.model_type, config.model_type)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -383,11 +390,26 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
         w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
+    if arch in ("qwen2moe", "qwen3moe"):  # routed experts (and qwen2moe's shared one)
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     gguf_tokenizer_metadata(w)
     if config.rope_parameters.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    experts: dict[tuple[str, str], dict[int, Any]] = {}  # (layer, projection) -> expert -> matrix
+    tensors = []
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
-        array = tensor.float().numpy()
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m:  # llama.cpp stacks each layer's experts: ffn_{gate,up,down}_exps [E, out, in]
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = tensor.float().numpy()
+        else:
+            tensors.append((name, tensor.float().numpy()))
+    for (layer, proj), mats in experts.items():
+        tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([mats[e] for e in sorted(mats)])))
+    for name, array in tensors:
         if arch == "llama" and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
@@ -396,9 +418,11 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
             array = array + 1.0  # llama.cpp stores Gemma's (1 + w) norm multipliers
         if name in _GGUF_GLOBAL:
             gguf_name = _GGUF_GLOBAL[name]
+        elif name.startswith("blk."):  # (stacked experts, named above)
+            gguf_name = name
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_ARCH_LAYER.get(arch, {}).get(rest) or _GGUF_LAYER[rest]}"
+            gguf_name = f"blk.{layer}.{_GGUF_ARCH_LAYER.get(arch, {}).get(rest) or _GGUF_LAYER.get(rest) or _GGUF_MOE[rest]}"
         qtype = next((q for suffix, q in (qtypes or {}).items() if gguf_name.endswith(suffix)), None)
         if qtype is None:
             w.add_tensor(gguf_name, np.ascontiguousarray(array))
@@ -464,7 +488,9 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
     layers = c.num_hidden_layers
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     rep = nv // nk
-    w = gguf.GGUFWriter(str(path), "qwen35")
+    moe = c.model_type == "qwen3_5_moe_text"
+    arch = "qwen35moe" if moe else "qwen35"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(folder.name)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -485,15 +511,28 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
     w.add_ssm_time_step_rank(nv)
     w.add_ssm_inner_size(dv * nv)
     # (keys the installed gguf package has no writer method for, by their llama.cpp names)
-    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types] + [False] * n_mtp)
-    w.add_uint32("qwen35.full_attention_interval", 4)
+    w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types] + [False] * n_mtp)
+    w.add_uint32(f"{arch}.full_attention_interval", 4)
     if n_mtp:
-        w.add_uint32("qwen35.nextn_predict_layers", n_mtp)
+        w.add_uint32(f"{arch}.nextn_predict_layers", n_mtp)
+    if moe:  # routed experts stacked per layer, a gated shared expert
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        stacked: dict[str, dict[int, Any]] = {}
+        for name in [n for n in tensors if re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.\d+\..+", n)]:
+            layer, _, _, e, proj, _ = name.removeprefix("model.layers.").split(".")
+            stacked.setdefault(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", {})[int(e)] = tensors.pop(name)
+        for gname, mats in stacked.items():
+            tensors[gname] = torch.stack([mats[e] for e in sorted(mats)])
     gguf_tokenizer_metadata(w)
     for name, tensor in tensors.items():
         a = tensor.float().numpy()
         if name in _GGUF_GLOBAL:
             gname = _GGUF_GLOBAL[name]
+        elif name.startswith("blk."):  # (stacked experts)
+            gname = name
         elif name.startswith("mtp."):
             rest = name.removeprefix("mtp.")
             if rest in _QWEN35_MTP:
@@ -502,7 +541,7 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
                 gname = f"blk.{layers}.{_QWEN35_LAYER[rest.removeprefix('layers.0.')]}"
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{_QWEN35_LAYER[rest]}"
+            gname = f"blk.{layer}.{_QWEN35_LAYER.get(rest) or _GGUF_MOE[rest]}"
         if rep > 1 and ".linear_attn." in name:  # grouped -> tiled value heads
             if name.endswith("in_proj_qkv.weight"):
                 a = np.concatenate([a[: 2 * nk * dk], _tiled(a[2 * nk * dk :], 0, nk, rep, dv)])

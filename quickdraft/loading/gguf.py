@@ -29,7 +29,18 @@ from quickdraft.loading.gguf_file import GGUFFile, release_pages
 
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
-                      "qwen35": "qwen3_5", "gemma4": "gemma4_text", "gpt-oss": "gpt_oss"}
+                      "qwen35": "qwen3_5", "gemma4": "gemma4_text", "gpt-oss": "gpt_oss",
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe"}
+# Mixture-of-experts layers as llama.cpp names them: the router, stacked experts (split per expert
+# at load, :func:`quickdraft.models.moe.convert_expert_layouts`), the shared expert and its gate.
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj.weight",
+    **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+_NORM_TOPK = ("qwen3moe", "qwen35moe")  # renormalised top-k weights (llama.cpp's norm_w for the arch)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -73,6 +84,8 @@ _ARCH_LAYER_NAMES = {
         "ssm_norm.weight": "linear_attn.norm.weight",
         "ssm_out.weight": "linear_attn.out_proj.weight",
     },
+    "qwen2_moe": _MOE_LAYER_NAMES,
+    "qwen3_moe": _MOE_LAYER_NAMES,
     # GPT-OSS: sinks, the output projection's bias, the router with its bias, stacked experts (gate
     # and up apart, each with a bias; MXFP4 blocks in the released files).
     "gpt_oss": {
@@ -103,6 +116,7 @@ _ARCH_LAYER_NAMES = {
         "ffn_down_exps.weight": "experts.down_proj",
     },
 }
+_ARCH_LAYER_NAMES["qwen3_5_moe"] = _ARCH_LAYER_NAMES["qwen3_5"] | _MOE_LAYER_NAMES
 # Multi-token-prediction ("nextn") blocks after the model's layers: llama.cpp's names -> the
 # checkpoint's mtp.* ones (their decoder layer's tensors keep the standard block names).
 _NEXTN_NAMES = {
@@ -114,7 +128,7 @@ _NEXTN_NAMES = {
 _NEXTN_SHARED = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # copies of the target's
 # Architectures whose GGUF norm weights are stored as ``1 + w`` (llama.cpp's converter adds the 1
 # that Gemma's RMSNorm adds at run time); the loader subtracts it again, as transformers does.
-_NORM_PLUS_ONE = ("gemma3_text", "qwen3_5")
+_NORM_PLUS_ONE = ("gemma3_text", "qwen3_5", "qwen3_5_moe")
 _NORM_AS_IS = ("ssm_norm.weight",)  # ... except these (Qwen3.5's gated norm multiplies by w)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -199,11 +213,29 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         cfg = dataclasses.replace(cfg, **_gpt_oss_fields(meta, cfg))
     elif arch == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(meta, cfg, tensor_names))
-    elif arch == "qwen35":
-        cfg = dataclasses.replace(cfg, **_qwen35_fields(meta, cfg))
+    elif arch in ("qwen35", "qwen35moe"):
+        cfg = dataclasses.replace(cfg, **_qwen35_fields(meta, cfg, arch))
     elif arch == "phi3":
         cfg = dataclasses.replace(cfg, **_phi3_fields(meta, cfg, tensor_names))
+    if meta.get(f"{arch}.expert_count"):
+        cfg = dataclasses.replace(cfg, **_moe_fields(meta, cfg, arch, tensor_names))
     return cfg
+
+
+def _moe_fields(meta: dict[str, Any], cfg: ModelConfig, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """Routed experts (``expert_*`` keys); layers with a plain MLP (``ffn_gate``) stay dense."""
+    if arch in ("gpt-oss", "gemma4"):
+        return {}  # (their own fields above)
+    shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    return {
+        "num_experts": int(meta[f"{arch}.expert_count"]),
+        "num_experts_per_tok": int(meta.get(f"{arch}.expert_used_count") or 1),
+        "moe_intermediate_size": int(meta.get(f"{arch}.expert_feed_forward_length") or cfg.intermediate_size),
+        "shared_expert_intermediate_size": shared,
+        "norm_topk_prob": bool(norm) if norm is not None else arch in _NORM_TOPK,
+        "mlp_only_layers": tuple(i for i in range(cfg.num_hidden_layers) if f"blk.{i}.ffn_gate.weight" in tensor_names),
+    }
 
 
 def _phi3_fields(meta: dict[str, Any], cfg: ModelConfig, tensor_names: set[str]) -> dict[str, Any]:
@@ -224,24 +256,24 @@ def _phi3_fields(meta: dict[str, Any], cfg: ModelConfig, tensor_names: set[str])
     }
 
 
-def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig, arch: str = "qwen35") -> dict[str, Any]:
     """Qwen3.5's hybrid layout as llama.cpp's converter writes it: the block count includes the
     multi-token-prediction blocks (``nextn_predict_layers``), the layer kinds come as
     ``attention.recurrent_layers`` (or every ``full_attention_interval``-th is full), the Gated
     DeltaNet shape as ``ssm.*`` keys, value heads in tiled order."""
 
     def get(key: str) -> Any:
-        value = meta.get(f"qwen35.{key}")
+        value = meta.get(f"{arch}.{key}")
         if value is None:
-            raise QuickdraftError(f"GGUF metadata lacks 'qwen35.{key}'; the file is incomplete")
+            raise QuickdraftError(f"GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
         return value
 
-    layers = cfg.num_hidden_layers - int(meta.get("qwen35.nextn_predict_layers") or 0)
-    recurrent = meta.get("qwen35.attention.recurrent_layers")
+    layers = cfg.num_hidden_layers - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
     if recurrent is not None:
         kinds = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
     else:
-        interval = int(meta.get("qwen35.full_attention_interval") or 4)
+        interval = int(meta.get(f"{arch}.full_attention_interval") or 4)
         kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     nv = int(get("ssm.time_step_rank"))
     return {
@@ -486,7 +518,7 @@ def iter_tensors(
     ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
     permute = cfg.model_type == "llama"
     dequantized = DequantizedTypes()
-    layers = cfg.num_hidden_layers if cfg.model_type == "qwen3_5" else None
+    layers = cfg.num_hidden_layers if cfg.model_type in ("qwen3_5", "qwen3_5_moe") else None
     for t in reader.tensors:
         name = hf_name(t.name, cfg.model_type, layers)
         if name == "":
