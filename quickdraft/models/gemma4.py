@@ -47,9 +47,12 @@ CHECKPOINT_SKIP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vis
 
 
 class RMSNorm(layers.RMSNorm):
-    """Gemma 4's RMSNorm: in fp32, times ``weight`` (not ``1 + weight``), cast back at the end."""
+    """Gemma 4's RMSNorm: in fp32, times ``weight`` (not ``1 + weight``), cast back at the end. In
+    fp32 that is the Llama norm's function (the fused kernel's, where built)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.float32:
+            return super().forward(x)
         return (_normed(x, self.eps) * self.weight.float()).to(x.dtype)
 
 

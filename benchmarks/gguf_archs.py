@@ -1,0 +1,272 @@
+"""The 2026 families as GGUF files, quickdraft vs llama.cpp on the same file: GPT-OSS (MXFP4
+experts, sinks, alternating sliding windows) and Gemma 4 (per-layer embeddings, KV sharing, two
+head sizes), random weights in the formats the released GGUFs use.
+
+No GPT-OSS or Gemma 4 checkpoint is installable here (../shared/MODELS.md pins none), so the file
+holds random valid blocks of the real models' layer shapes, fewer layers, and a small vocabulary
+(the tests' tiny BPE: the output head is negligible here, unlike the real models' 200k / 262k
+rows; both engines read the same file, so the ratio compares their layers):
+
+* ``gpt-oss``: gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, sinks, window 128
+  on every other layer, 32 experts of width 2880, top 4, YaRN), experts MXFP4, attention Q8_0;
+* ``gemma4``: gemma-4-E2B's layer (hidden 1536, 8 query / 1 KV head, head size 256 / 512 on full
+  layers, MLP 6144, double-wide on KV-sharing layers, per-layer inputs of 256, window 512),
+  matrices Q8_0, the last layers reusing keys and values.
+
+Measured, alternating the two engines ``--rounds`` times: quickdraft's decode tokens/s (``dtype
+auto``: the blocks kept, q8 activations, plain greedy, after a 64-token prompt) and llama.cpp's
+``llama-bench -p 0 -n N`` (tg, same threads). Also quickdraft with its default drafter (``auto``) on
+a repetitive prompt (random weights: little to accept, so this shows the drafter's overhead). JSON
+with the command and versions goes to benchmarks/results/gguf_archs/.
+
+    .venv/bin/python benchmarks/gguf_archs.py --arch gpt-oss --layers 4
+    .venv/bin/python benchmarks/gguf_archs.py --arch gemma4 --layers 6 --llama-bench ~/.cache/quickdraft/llamacpp-native/bin/llama-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from tiny import gguf_tokenizer_metadata, tokenizer_vocab_size  # noqa: E402  (the tests' tiny BPE)
+
+OUT = Path(__file__).parent / "results" / "gguf_archs"
+DEFAULT_BENCH = Path.home() / ".cache/quickdraft/llamacpp-native/bin/llama-bench"
+
+
+def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, lead: tuple[int, ...] = ()) -> np.ndarray:
+    """Random valid blocks of ``qtype`` for a [*lead, rows, cols] matrix (weights of scale ~1/sqrt(cols))."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    nb = int(np.prod(lead, dtype=np.int64)) * rows * (cols // bs)
+    raw = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
+    if qtype == Q.Q8_0:  # fp16 d, 32 int8: |w| ~ d * 64
+        raw[:, :2] = np.full(nb, 1.0 / (64 * cols**0.5), dtype=np.float16).view(np.uint8).reshape(nb, 2)
+    elif qtype == Q.MXFP4:  # E8M0 e: w = 2^(e - 128) * {0 .. 12}
+        raw[:, 0] = np.uint8(128 - 3 - int(np.log2(cols) / 2))
+    else:
+        raise ValueError(f"no random blocks for {qtype}")
+    return raw.reshape(*lead, rows, cols // bs * ts)
+
+
+def write_gguf(arch: str, layers: int, path: Path, seed: int = 0) -> dict[str, Any]:
+    """The random file; returns its shape summary."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    vocab = tokenizer_vocab_size()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"random-{arch}")
+    w.add_context_length(4096)
+    w.add_block_count(layers)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab)
+    gguf_tokenizer_metadata(w)
+
+    def f32(name: str, *shape: int, value: float | None = None) -> None:
+        a = np.full(shape, value, dtype=np.float32) if value is not None else (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        w.add_tensor(name, a)
+
+    def quant(name: str, qtype: Any, rows: int, cols: int, lead: tuple[int, ...] = ()) -> None:
+        w.add_tensor(name, random_blocks(qtype, rows, cols, rng, lead), raw_dtype=qtype)
+
+    if arch == "gpt-oss":
+        h, nh, nkv, hd, experts, top, inter = 2880, 64, 8, 64, 32, 4, 2880
+        w.add_embedding_length(h)
+        w.add_feed_forward_length(inter)
+        w.add_head_count(nh)
+        w.add_head_count_kv(nkv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_rope_freq_base(150000.0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(top)
+        w.add_expert_feed_forward_length(inter)
+        w.add_sliding_window(128)
+        quant("token_embd.weight", Q.Q8_0, vocab, h)
+        quant("output.weight", Q.Q8_0, vocab, h)
+        f32("output_norm.weight", h, value=1.0)
+        for i in range(layers):
+            b = f"blk.{i}."
+            f32(b + "attn_norm.weight", h, value=1.0)
+            f32(b + "post_attention_norm.weight", h, value=1.0)
+            for name, rows in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
+                quant(b + name + ".weight", Q.Q8_0, rows, h)
+                f32(b + name + ".bias", rows)
+            quant(b + "attn_output.weight", Q.Q8_0, h, nh * hd)
+            f32(b + "attn_output.bias", h)
+            f32(b + "attn_sinks.weight", nh)
+            f32(b + "ffn_gate_inp.weight", experts, h)
+            f32(b + "ffn_gate_inp.bias", experts)
+            for name, rows, cols in (("ffn_gate_exps", inter, h), ("ffn_up_exps", inter, h), ("ffn_down_exps", h, inter)):
+                quant(b + name + ".weight", Q.MXFP4, rows, cols, (experts,))
+                f32(b + name + ".bias", experts, rows)
+        shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "experts": experts, "top_k": top,
+                 "expert_width": inter, "window": 128, "experts_format": "MXFP4", "attention_format": "Q8_0"}
+    elif arch == "gemma4":
+        h, nh, nkv, hd, ghd, inter, ple, window = 1536, 8, 1, 256, 512, 6144, 256, 512
+        # E2B's layout, shortened: a full layer every 5th, the last third reusing the keys and values
+        # of the last sliding and the last full layer before them (which llama.cpp takes to be the
+        # last two), the last layer a full one
+        shared = layers // 3
+        first_shared = layers - shared
+        if first_shared < 2:
+            raise SystemExit("gemma4 needs at least 3 --layers")
+        swa = [(i + 1) % 5 != 0 for i in range(first_shared)]
+        swa[first_shared - 2:] = [True, False]
+        swa += [True] * (shared - 1) + [False] * min(shared, 1)
+        ff = [2 * inter if i >= first_shared else inter for i in range(layers)]
+        w.add_embedding_length(h)
+        w.add_feed_forward_length(ff)
+        w.add_head_count(nh)
+        w.add_head_count_kv([nkv] * layers)
+        w.add_key_length(ghd)
+        w.add_value_length(ghd)
+        w.add_key_length_swa(hd)
+        w.add_value_length_swa(hd)
+        w.add_rope_dimension_count(ghd)
+        w.add_rope_dimension_count_swa(hd)
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_rope_freq_base_swa(10_000.0)
+        w.add_sliding_window(window)
+        w.add_sliding_window_pattern(swa)
+        w.add_shared_kv_layers(shared)
+        w.add_embedding_length_per_layer_input(ple)
+        w.add_final_logit_softcapping(30.0)
+        rot = ghd // 8
+        w.add_tensor("rope_freqs.weight", np.array([1.0] * rot + [1e30] * (ghd // 2 - rot), dtype=np.float32))
+        quant("token_embd.weight", Q.Q8_0, vocab, h)
+        f32("output_norm.weight", h, value=1.0)
+        quant("per_layer_token_embd.weight", Q.Q8_0, vocab, layers * ple)
+        quant("per_layer_model_proj.weight", Q.Q8_0, layers * ple, h)
+        f32("per_layer_proj_norm.weight", ple, value=1.0)
+        for i in range(layers):
+            b, d = f"blk.{i}.", (hd if swa[i] else ghd)
+            for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"):
+                f32(b + n + ".weight", h, value=1.0)
+            f32(b + "layer_output_scale.weight", 1, value=1.0)
+            quant(b + "attn_q.weight", Q.Q8_0, nh * d, h)
+            f32(b + "attn_q_norm.weight", d, value=1.0)
+            if i < first_shared:
+                quant(b + "attn_k.weight", Q.Q8_0, nkv * d, h)
+                quant(b + "attn_v.weight", Q.Q8_0, nkv * d, h)
+                f32(b + "attn_k_norm.weight", d, value=1.0)
+            quant(b + "attn_output.weight", Q.Q8_0, h, nh * d)
+            quant(b + "ffn_gate.weight", Q.Q8_0, ff[i], h)
+            quant(b + "ffn_up.weight", Q.Q8_0, ff[i], h)
+            quant(b + "ffn_down.weight", Q.Q8_0, h, ff[i])
+            quant(b + "inp_gate.weight", Q.Q8_0, ple, h)
+            quant(b + "proj.weight", Q.Q8_0, h, ple)
+        shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "global_head_dim": ghd,
+                 "intermediate": inter, "per_layer_input": ple, "window": window, "kv_shared_layers": shared,
+                 "format": "Q8_0"}
+    else:
+        raise SystemExit(f"unknown --arch {arch}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"arch": arch, "layers": layers, "vocab": vocab, **shape}
+
+
+def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool) -> tuple[float, float]:
+    """(decode tokens/s after the first token, tau) of ``tokens`` greedy tokens after a 64-token
+    prompt; ``drafter`` "none" or "auto" (as the CLI builds it)."""
+    import torch
+
+    from quickdraft.assemble.drafters import build_drafter
+    from quickdraft.engine import Engine
+    from quickdraft.options import EngineOptions
+    from quickdraft.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, loaded.config.vocab_size, (16 if repetitive else 64,), generator=g).tolist()
+    if repetitive:
+        prompt = prompt * 4
+    d, k = build_drafter(EngineOptions(draft=drafter), loaded)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    steps = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True), d, k)
+    first = next(steps)
+    t0, n = time.perf_counter(), 0
+    tau = 1.0
+    for s in steps:
+        n += len(s.token_ids)
+        tau = s.stats.tau
+    del first
+    return n / (time.perf_counter() - t0), tau
+
+
+def llama_bench(binary: Path, path: Path, tokens: int, threads: int) -> float:
+    out = subprocess.run([str(binary), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    return float(rows[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("gpt-oss", "gemma4"), required=True)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--llama-bench", type=Path, default=DEFAULT_BENCH)
+    ap.add_argument("--file", type=Path, default=None, help="where to write the random GGUF (default: /tmp)")
+    args = ap.parse_args()
+
+    import torch
+
+    from quickdraft.bench.report import environment
+
+    torch.set_num_threads(args.threads)
+    path = args.file or Path(f"/tmp/quickdraft-random-{args.arch}-{args.layers}.gguf")
+    shape = write_gguf(args.arch, args.layers, path)
+    print(f"{path} ({path.stat().st_size / 2**30:.2f} GiB): {shape}")
+    from quickdraft.loading.load import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(str(path), max_context=512)
+    print(f"quickdraft loaded it in {time.perf_counter() - t0:.1f} s: {loaded.config.layer_pattern()}")
+    runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "llama.cpp": []}
+    taus: list[float] = []
+    have_llama = args.llama_bench.is_file()
+    for r in range(args.rounds):
+        runs["quickdraft"].append(quickdraft_decode(loaded, args.tokens, "none", repetitive=False)[0])
+        speed, tau = quickdraft_decode(loaded, args.tokens, "auto", repetitive=True)
+        runs["quickdraft-auto"].append(speed)
+        taus.append(tau)
+        if have_llama:
+            runs["llama.cpp"].append(llama_bench(args.llama_bench, path, args.tokens, args.threads))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v))
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
+    print(f"\n{args.arch}, {args.layers} layers, {args.threads} threads, decode tokens/s (median of {args.rounds}):")
+    for k, v in med.items():
+        print(f"  {k:16s} {v:8.2f}")
+    if "llama.cpp" in med:
+        print(f"  quickdraft / llama.cpp: {med['quickdraft'] / med['llama.cpp']:.2f}x")
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = OUT / f"{args.arch}-{args.layers}l.json"
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
+                               "tokens": args.tokens, "threads": args.threads, "runs": runs, "median": med,
+                               "auto_tau": taus}, indent=1))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
