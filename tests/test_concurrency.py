@@ -146,13 +146,20 @@ def together(engine: Engine, model: LoadedModel, reqs: list[Request], cancel: di
     return out
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_concurrent_requests_equal_each_alone(model: LoadedModel, n: int) -> None:
+def check_together_equals_alone(model: LoadedModel, n: int, max_sequences: int) -> Engine:
+    """``n`` mixed requests (:func:`requests`) run together on an engine of ``max_sequences`` lanes:
+    each answer equals the request's answer alone. Returns the engine."""
     reqs = requests(model, n)
-    engine = Engine(model.model, model.tokenizer, max_sequences=max(1, n // 2 + 1))  # some wait for a lane
+    engine = Engine(model.model, model.tokenizer, max_sequences=max_sequences)
     got = together(engine, model, reqs)
     for i, r in enumerate(reqs):
         assert got[i] == alone(model, r), f"request {i} ({r.drafter}, {r.params}) differs from its answer alone"
+    return engine
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_concurrent_requests_equal_each_alone(model: LoadedModel, n: int) -> None:
+    engine = check_together_equals_alone(model, n, max(1, n // 2 + 1))  # some wait for a lane
     assert engine.has_room() and not engine.running
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_concurrency import alone, requests, together
+from test_concurrency import check_together_equals_alone
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
@@ -187,10 +187,7 @@ def test_tree_drafters_match_plain_greedy(case: Case, shape: str) -> None:
 def test_ngram_and_several_sequences(small: LoadedModel, case: Case) -> None:
     run_ = case.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4)
     assert run_.ids == case.truth
-    reqs = requests(small, 4)
-    got = together(Engine(small.model, small.tokenizer, max_sequences=3), small, reqs)
-    for i, r in enumerate(reqs):
-        assert got[i] == alone(small, r), f"request {i} ({r.drafter})"
+    check_together_equals_alone(small, 4, 3)
 
 
 def test_moe_layout_speculates_losslessly(folders: dict[str, Path]) -> None:

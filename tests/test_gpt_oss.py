@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors.torch import load_file, save_file
-from test_concurrency import alone, requests, together
+from test_concurrency import check_together_equals_alone
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
 from tiny import (
@@ -30,7 +30,6 @@ from tiny import (
     write_tokenizer,
 )
 
-from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.gpt_oss import SinkAttention
 from quickdraft.quant.ggml import GGMLLinear, set_activation_mode
@@ -117,10 +116,7 @@ def test_tree_drafters_match_plain_greedy(case: Case, shape: str) -> None:
 def test_ngram_and_several_sequences(oss: LoadedModel, case: Case) -> None:
     run = case.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4)
     assert run.ids == case.truth
-    reqs = requests(oss, 4)
-    got = together(Engine(oss.model, oss.tokenizer, max_sequences=3), oss, reqs)
-    for i, r in enumerate(reqs):
-        assert got[i] == alone(oss, r), f"request {i} ({r.drafter})"
+    check_together_equals_alone(oss, 4, 3)
 
 
 # ------------------------------------------------------------------------- MXFP4

@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_concurrency import Request, alone, make_drafter, requests, run_to_end, together
+from test_concurrency import (
+    Request,
+    alone,
+    check_together_equals_alone,
+    make_drafter,
+    requests,
+    run_to_end,
+)
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
@@ -266,11 +273,7 @@ def test_ngram_matches_plain_greedy(hybrid: LoadedModel, k: int) -> None:
 def test_several_sequences_in_one_pass_equal_each_alone(hybrid: LoadedModel) -> None:
     """Rows of four sequences (prompt chunks, chains, trees, a draft model's forks of this same
     hybrid model) in one pass: each continues its own lane's state; every answer == alone."""
-    reqs = requests(hybrid, 5)
-    engine = Engine(hybrid.model, hybrid.tokenizer, max_sequences=3)
-    got = together(engine, hybrid, reqs)
-    for i, r in enumerate(reqs):
-        assert got[i] == alone(hybrid, r), f"request {i} ({r.drafter}) differs from its answer alone"
+    check_together_equals_alone(hybrid, 5, 3)
 
 
 def test_prefix_cache_warm_equals_cold(hybrid: LoadedModel) -> None:
@@ -504,10 +507,7 @@ def test_moe_families_match_transformers_and_speculate_losslessly(tmp_path: Path
     case = make_case(moe, TEXT[:60], 20)
     for kind, k in (("partly", 3), ("coin", 4)):
         check_scripted(case, kind, k)
-    reqs = requests(moe, 3)
-    got = together(Engine(moe.model, moe.tokenizer, max_sequences=2), moe, reqs)
-    for i, r in enumerate(reqs):
-        assert got[i] == alone(moe, r), f"request {i} ({r.drafter})"
+    check_together_equals_alone(moe, 3, 2)
     if model_type == "qwen3_5_moe_text":  # llama.cpp's qwen35moe GGUF: stacked experts, Q8_0 kept in blocks
         path = qwen3_5_to_gguf(folder, tmp_path / "moe.gguf")
         gguf_moe = load_model(str(path), dtype="float32", max_context=256)

@@ -341,6 +341,28 @@ def _gemma3_metadata(writer: Any, config: Any) -> None:
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
 
 
+def _add_tensor(w: Any, name: str, array: Any, qtypes: dict[str, str] | None) -> None:
+    """Add ``array`` as float32, or in the GGML type ``qtypes`` gives the first suffix of ``name`` it ends with."""
+    import gguf
+    import numpy as np
+
+    a = np.ascontiguousarray(array, dtype=np.float32)
+    qtype = next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), None)
+    if qtype is None:
+        w.add_tensor(name, a)
+    else:
+        kind = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+
+
+def _finish(w: Any, path: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -> Path:
     """Convert a tiny Hugging Face folder to an F32 GGUF file as llama.cpp's converter would.
 
@@ -423,17 +445,8 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{_GGUF_ARCH_LAYER.get(arch, {}).get(rest) or _GGUF_LAYER.get(rest) or _GGUF_MOE[rest]}"
-        qtype = next((q for suffix, q in (qtypes or {}).items() if gguf_name.endswith(suffix)), None)
-        if qtype is None:
-            w.add_tensor(gguf_name, np.ascontiguousarray(array))
-        else:
-            kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        _add_tensor(w, gguf_name, array, qtypes)
+    return _finish(w, path)
 
 
 _QWEN35_LAYER = {
@@ -559,18 +572,8 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
             a = a[:, 0, :]
         elif gname.endswith("norm.weight") and not gname.endswith("ssm_norm.weight"):
             a = a + 1.0
-        qtype = next((q for suffix, q in (qtypes or {}).items() if gname.endswith(suffix)), None)
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        if qtype is None:
-            w.add_tensor(gname, a)
-        else:
-            kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        _add_tensor(w, gname, a, qtypes)
+    return _finish(w, path)
 
 
 _GEMMA4_LAYER = {
@@ -662,18 +665,8 @@ def gemma4_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = Non
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = f"blk.{layer}.{_GEMMA4_LAYER[rest]}"
-        a = np.ascontiguousarray(tensor.float().numpy())
-        qtype = next((q for suffix, q in (qtypes or {}).items() if gname.endswith(suffix)), None)
-        if qtype is None:
-            w.add_tensor(gname, a)
-        else:
-            kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        _add_tensor(w, gname, tensor.float().numpy(), qtypes)
+    return _finish(w, path)
 
 
 def gpt_oss_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -> Path:
@@ -682,7 +675,6 @@ def gpt_oss_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
     (biases [E, I]), down as ffn_down_exps [E, H, I], sinks as attn_sinks.weight, the router as
     ffn_gate_inp; YaRN and expert keys; ``qtypes`` as in :func:`hf_to_gguf` (e.g. MXFP4 experts)."""
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -731,18 +723,8 @@ def gpt_oss_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
             else:
                 out = [(blk + (names.get(rest) or _GGUF_LAYER[rest]), a)]
         for gname, arr in out:
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
-            qtype = next((q for suffix, q in (qtypes or {}).items() if gname.endswith(suffix)), None)
-            if qtype is None:
-                w.add_tensor(gname, arr)
-            else:
-                kind = gguf.GGMLQuantizationType[qtype]
-                w.add_tensor(gname, gguf.quants.quantize(arr, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            _add_tensor(w, gname, arr, qtypes)
+    return _finish(w, path)
 
 
 def load_reference(folder: Path) -> Any:
@@ -799,8 +781,4 @@ def make_spm_gguf(path: Path, arch: str) -> Path:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, path)
