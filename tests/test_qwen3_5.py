@@ -508,15 +508,17 @@ def test_moe_families_match_transformers_and_speculate_losslessly(tmp_path: Path
     for kind, k in (("partly", 3), ("coin", 4)):
         check_scripted(case, kind, k)
     check_together_equals_alone(moe, 3, 2)
-    if model_type == "qwen3_5_moe_text":  # llama.cpp's qwen35moe GGUF: stacked experts, Q8_0 kept in blocks
-        path = qwen3_5_to_gguf(folder, tmp_path / "moe.gguf")
-        gguf_moe = load_model(str(path), dtype="float32", max_context=256)
-        assert gguf_moe.config.model_type == "qwen3_5_moe" and gguf_moe.config.norm_topk_prob
-        assert (logits(gguf_moe, ids) - reference_logits(load_reference(folder), ids)).abs().max() < 1e-4
-        quant = load_model(str(qwen3_5_to_gguf(folder, tmp_path / "q8.gguf", {"exps.weight": "Q8_0"})),
-                           dtype="auto", max_context=256)
-        assert type(quant.model.model.layers[1].mlp.experts[2].up_proj).__name__ == "GGMLLinear"
-        check_scripted(make_case(quant, TEXT[:60], 20), "partly", 4)
+    # llama.cpp's qwen35moe / qwen3next GGUF: stacked experts; Qwen3-Next's b/a projection fused (grouped
+    # heads); Q8_0 experts and fused projection kept in blocks, rows regrouped
+    path = qwen3_5_to_gguf(folder, tmp_path / "moe.gguf")
+    gguf_moe = load_model(str(path), dtype="float32", max_context=256)
+    assert gguf_moe.config.model_type == moe.config.model_type and gguf_moe.config.norm_topk_prob
+    assert gguf_moe.config.mlp_only_layers == ((0, 2) if model_type == "qwen3_next" else ())
+    assert (logits(gguf_moe, ids) - reference_logits(load_reference(folder), ids)).abs().max() < 1e-4
+    quant = load_model(str(qwen3_5_to_gguf(folder, tmp_path / "q8.gguf", {"exps.weight": "Q8_0", "ssm_ba.weight": "Q8_0"})),
+                       dtype="auto", max_context=256)
+    assert type(quant.model.model.layers[1].mlp.experts[2].up_proj).__name__ == "GGMLLinear"
+    check_scripted(make_case(quant, TEXT[:60], 20), "partly", 4)
 
 
 def test_prefix_cache_with_the_mtp_drafter_warm_equals_cold(with_mtp: LoadedModel) -> None:

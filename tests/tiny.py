@@ -475,6 +475,9 @@ _QWEN35_MTP = {"fc.weight": "nextn.eh_proj.weight", "pre_fc_norm_embedding.weigh
                "pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "norm.weight": "nextn.shared_head_norm.weight"}
 
 
+_QWEN3_NEXT = {"linear_attn.in_proj_ba.weight": "ssm_ba.weight"}
+
+
 def _tiled(w: Any, dim: int, nk: int, rep: int, head: int) -> Any:
     """llama.cpp's value-head reorder along ``dim``: grouped (k head, rep, head) -> tiled (rep, k head, head)."""
     import numpy as np
@@ -501,8 +504,16 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
     layers = c.num_hidden_layers
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     rep = nv // nk
-    moe = c.model_type == "qwen3_5_moe_text"
-    arch = "qwen35moe" if moe else "qwen35"
+    nxt = c.model_type == "qwen3_next"  # Qwen3-Next: qkvz split into attn_qkv / attn_gate, ba kept fused, heads grouped
+    moe = c.model_type in ("qwen3_5_moe_text", "qwen3_next")
+    arch = "qwen3next" if nxt else "qwen35moe" if moe else "qwen35"
+    if nxt:
+        for name in [n for n in tensors if n.endswith("linear_attn.in_proj_qkvz.weight")]:
+            qkvz = tensors.pop(name).reshape(nk, -1, c.hidden_size)
+            q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=1)
+            prefix = name.removesuffix("in_proj_qkvz.weight")
+            tensors[prefix + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, c.hidden_size) for x in (q, k, v)])
+            tensors[prefix + "in_proj_z.weight"] = z.reshape(-1, c.hidden_size)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(folder.name)
     w.add_context_length(c.max_position_embeddings)
@@ -554,8 +565,8 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
                 gname = f"blk.{layers}.{_QWEN35_LAYER[rest.removeprefix('layers.0.')]}"
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{_QWEN35_LAYER.get(rest) or _GGUF_MOE[rest]}"
-        if rep > 1 and ".linear_attn." in name:  # grouped -> tiled value heads
+            gname = f"blk.{layer}.{_QWEN35_LAYER.get(rest) or _GGUF_MOE.get(rest) or _QWEN3_NEXT[rest]}"
+        if rep > 1 and ".linear_attn." in name and not nxt:  # grouped -> tiled value heads
             if name.endswith("in_proj_qkv.weight"):
                 a = np.concatenate([a[: 2 * nk * dk], _tiled(a[2 * nk * dk :], 0, nk, rep, dv)])
             elif name.endswith("in_proj_z.weight"):

@@ -30,7 +30,8 @@ from quickdraft.loading.gguf_file import GGUFFile, release_pages
 # GGUF general.architecture -> Hugging Face model_type. Mistral checkpoints convert to "llama".
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
                       "qwen35": "qwen3_5", "gemma4": "gemma4_text", "gpt-oss": "gpt_oss",
-                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe"}
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe",
+                      "qwen3next": "qwen3_next"}
 # Mixture-of-experts layers as llama.cpp names them: the router, stacked experts (split per expert
 # at load, :func:`quickdraft.models.moe.convert_expert_layouts`), the shared expert and its gate.
 _MOE_LAYER_NAMES = {
@@ -40,7 +41,7 @@ _MOE_LAYER_NAMES = {
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")},
     **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
 }
-_NORM_TOPK = ("qwen3moe", "qwen35moe")  # renormalised top-k weights (llama.cpp's norm_w for the arch)
+_NORM_TOPK = ("qwen3moe", "qwen35moe", "qwen3next")  # renormalised top-k weights (llama.cpp's norm_w for the arch)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -117,6 +118,8 @@ _ARCH_LAYER_NAMES = {
     },
 }
 _ARCH_LAYER_NAMES["qwen3_5_moe"] = _ARCH_LAYER_NAMES["qwen3_5"] | _MOE_LAYER_NAMES
+# Qwen3-Next: Qwen3.5's names, its b / a projections still fused (grouped per key head, split at load)
+_ARCH_LAYER_NAMES["qwen3_next"] = _ARCH_LAYER_NAMES["qwen3_5_moe"] | {"ssm_ba.weight": "linear_attn.in_proj_ba.weight"}
 # Multi-token-prediction ("nextn") blocks after the model's layers: llama.cpp's names -> the
 # checkpoint's mtp.* ones (their decoder layer's tensors keep the standard block names).
 _NEXTN_NAMES = {
@@ -128,7 +131,7 @@ _NEXTN_NAMES = {
 _NEXTN_SHARED = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")  # copies of the target's
 # Architectures whose GGUF norm weights are stored as ``1 + w`` (llama.cpp's converter adds the 1
 # that Gemma's RMSNorm adds at run time); the loader subtracts it again, as transformers does.
-_NORM_PLUS_ONE = ("gemma3_text", "qwen3_5", "qwen3_5_moe")
+_NORM_PLUS_ONE = ("gemma3_text", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 _NORM_AS_IS = ("ssm_norm.weight",)  # ... except these (Qwen3.5's gated norm multiplies by w)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -213,7 +216,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         cfg = dataclasses.replace(cfg, **_gpt_oss_fields(meta, cfg))
     elif arch == "gemma4":
         cfg = dataclasses.replace(cfg, **_gemma4_fields(meta, cfg, tensor_names))
-    elif arch in ("qwen35", "qwen35moe"):
+    elif arch in ("qwen35", "qwen35moe", "qwen3next"):
         cfg = dataclasses.replace(cfg, **_qwen35_fields(meta, cfg, arch))
     elif arch == "phi3":
         cfg = dataclasses.replace(cfg, **_phi3_fields(meta, cfg, tensor_names))
@@ -287,7 +290,7 @@ def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig, arch: str = "qwen35")
         "linear_num_key_heads": int(get("ssm.group_count")),
         "linear_num_value_heads": nv,
         "linear_value_head_dim": int(get("ssm.inner_size")) // nv,
-        "linear_value_heads_tiled": True,
+        "linear_value_heads_tiled": arch != "qwen3next",  # (Qwen3-Next's converter keeps them grouped)
     }
 
 
@@ -471,9 +474,9 @@ class QuantTensor:
         """Expert ``e``'s matrix of a stacked [E, N, K] tensor."""
         return QuantTensor(self.qtype, self.raw[e], self.shape[1:], self.lanes)
 
-    def take(self, first: int, step: int) -> QuantTensor:
-        """Every ``step``-th row of a matrix from row ``first`` (GPT-OSS's interleaved gate/up)."""
-        raw = self.raw[first::step].contiguous()
+    def select_rows(self, ids: torch.Tensor) -> QuantTensor:
+        """Rows ``ids`` of a matrix, in that order (GPT-OSS's interleaved gate/up, fused projections)."""
+        raw = self.raw.index_select(0, ids.to(torch.long)).contiguous()
         return QuantTensor(self.qtype, raw, (int(raw.shape[0]), self.shape[1]), self.lanes)
 
     def rows(self, start: int, stop: int) -> QuantTensor:
@@ -518,7 +521,7 @@ def iter_tensors(
     ``keep_quantized`` a :class:`QuantTensor` for each block-quantized matrix."""
     permute = cfg.model_type == "llama"
     dequantized = DequantizedTypes()
-    layers = cfg.num_hidden_layers if cfg.model_type in ("qwen3_5", "qwen3_5_moe") else None
+    layers = cfg.num_hidden_layers if cfg.model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else None
     for t in reader.tensors:
         name = hf_name(t.name, cfg.model_type, layers)
         if name == "":

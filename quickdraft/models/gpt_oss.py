@@ -163,7 +163,8 @@ class CausalLM(causal_lm.CausalLM):
             x: Any
             if isinstance(w, QuantTensor):
                 x = w.expert(e)
-                parts = (x.take(0, 2), x.take(1, 2)) if kind == "gate_up_proj" else (x,)
+                rows = torch.arange(x.shape[0])
+                parts = (x.select_rows(rows[0::2]), x.select_rows(rows[1::2])) if kind == "gate_up_proj" else (x,)
             else:
                 x = w[e] if bias or out_major else w[e].t()
                 parts = (x[0::2].contiguous(), x[1::2].contiguous()) if kind == "gate_up_proj" else (x.contiguous(),)

@@ -31,7 +31,6 @@ from torch import nn
 
 from quickdraft.cache import HybridCache, RecurrentShape, State
 from quickdraft.config import LINEAR_ATTENTION, ModelConfig
-from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
 from quickdraft.models.gemma3 import GemmaRMSNorm
 from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
@@ -262,19 +261,26 @@ class CausalLM(causal_lm.CausalLM):
         cfg = self.config
         nk, dk, dv, rep = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                            cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1))
+        group = [dk, dk, rep * dv, rep * dv]  # in_proj_qkvz rows per q/k head: q, k, v, z
+
+        def rows(sizes: list[int], part: int, n: int) -> torch.Tensor:  # rows of ``part`` in every group
+            step = sum(sizes)
+            lo = sum(sizes[:part])
+            return torch.cat([torch.arange(g * step + lo, g * step + lo + sizes[part]) for g in range(n)])
+
+        def take(tensor: Any, ids: torch.Tensor) -> Any:  # (a GGUF's blocks: whole rows each)
+            return tensor.index_select(0, ids) if isinstance(tensor, torch.Tensor) else tensor.select_rows(ids)
+
         for name, tensor in tensors:
-            if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")) and not isinstance(tensor, torch.Tensor):
-                raise QuickdraftError(f"{name} is block-quantized; Qwen3-Next's fused projections load from safetensors only")
             if name.endswith("in_proj_qkvz.weight"):
-                q, k, v, z = tensor.reshape(nk, -1, tensor.shape[-1]).split([dk, dk, rep * dv, rep * dv], dim=1)
                 prefix = name.removesuffix("in_proj_qkvz.weight")
-                yield prefix + "in_proj_qkv.weight", torch.cat([x.reshape(-1, tensor.shape[-1]) for x in (q, k, v)])
-                yield prefix + "in_proj_z.weight", z.reshape(-1, tensor.shape[-1])
-            elif name.endswith("in_proj_ba.weight"):
-                b, a = tensor.reshape(nk, 2 * rep, -1).split([rep, rep], dim=1)
+                qkv = torch.cat([rows(group, part, nk) for part in range(3)])
+                yield prefix + "in_proj_qkv.weight", take(tensor, qkv)
+                yield prefix + "in_proj_z.weight", take(tensor, rows(group, 3, nk))
+            elif name.endswith("in_proj_ba.weight"):  # rows per q/k head: b (rep), a (rep)
                 prefix = name.removesuffix("in_proj_ba.weight")
-                yield prefix + "in_proj_b.weight", b.reshape(-1, tensor.shape[-1])
-                yield prefix + "in_proj_a.weight", a.reshape(-1, tensor.shape[-1])
+                yield prefix + "in_proj_b.weight", take(tensor, rows([rep, rep], 0, nk))
+                yield prefix + "in_proj_a.weight", take(tensor, rows([rep, rep], 1, nk))
             else:
                 yield name, tensor
 
