@@ -9,6 +9,8 @@ rows; both engines read the same file, so the ratio compares their layers):
 
 * ``gpt-oss``: gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, sinks, window 128
   on every other layer, 32 experts of width 2880, top 4, YaRN), experts MXFP4, attention Q8_0;
+* ``qwen35``: Qwen3.5-0.8B's layers (hidden 1024, Gated DeltaNet layers of 16 x 128 q/k and value
+  heads between gated full-attention layers of 8 x 256 / 2 KV heads every 4th), matrices Q8_0;
 * ``gemma4``: gemma-4-E2B's layer (hidden 1536, 8 query / 1 KV head, head size 256 / 512 on full
   layers, MLP 6144, double-wide on KV-sharing layers, per-layer inputs of 256, window 512),
   matrices Q8_0, the last layers reusing keys and values.
@@ -176,6 +178,55 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0) -> dict[str, A
         shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "global_head_dim": ghd,
                  "intermediate": inter, "per_layer_input": ple, "window": window, "kv_shared_layers": shared,
                  "format": "Q8_0"}
+    elif arch == "qwen35":
+        h, nh, nkv, hd, inter = 1024, 8, 2, 256, 3584
+        nk, nv, dk, dv, conv = 16, 16, 128, 128, 4
+        kinds = [(i + 1) % 4 != 0 for i in range(layers)]  # True: Gated DeltaNet; every 4th full attention
+        w.add_embedding_length(h)
+        w.add_feed_forward_length(inter)
+        w.add_head_count(nh)
+        w.add_head_count_kv(nkv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_rope_dimension_count(hd // 4)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_rope_freq_base(10_000_000.0)
+        w.add_ssm_conv_kernel(conv)
+        w.add_ssm_state_size(dk)
+        w.add_ssm_group_count(nk)
+        w.add_ssm_time_step_rank(nv)
+        w.add_ssm_inner_size(dv * nv)
+        w.add_array("qwen35.attention.recurrent_layers", kinds)
+        w.add_uint32("qwen35.full_attention_interval", 4)
+        quant("token_embd.weight", Q.Q8_0, vocab, h)
+        quant("output.weight", Q.Q8_0, vocab, h)
+        f32("output_norm.weight", h, value=0.0)  # (norms stored as 1 + w)
+        for i in range(layers):
+            b = f"blk.{i}."
+            f32(b + "attn_norm.weight", h, value=1.0)
+            f32(b + "post_attention_norm.weight", h, value=1.0)
+            if kinds[i]:
+                quant(b + "attn_qkv.weight", Q.Q8_0, 2 * nk * dk + nv * dv, h)
+                quant(b + "attn_gate.weight", Q.Q8_0, nv * dv, h)
+                quant(b + "ssm_beta.weight", Q.Q8_0, nv, h)
+                quant(b + "ssm_alpha.weight", Q.Q8_0, nv, h)
+                f32(b + "ssm_conv1d.weight", 2 * nk * dk + nv * dv, conv)
+                f32(b + "ssm_dt.bias", nv)
+                f32(b + "ssm_a", nv, value=-1.0)
+                f32(b + "ssm_norm.weight", dv, value=1.0)
+                quant(b + "ssm_out.weight", Q.Q8_0, h, nv * dv)
+            else:
+                quant(b + "attn_q.weight", Q.Q8_0, 2 * nh * hd, h)  # (queries and their gates)
+                quant(b + "attn_k.weight", Q.Q8_0, nkv * hd, h)
+                quant(b + "attn_v.weight", Q.Q8_0, nkv * hd, h)
+                quant(b + "attn_output.weight", Q.Q8_0, h, nh * hd)
+                f32(b + "attn_q_norm.weight", hd, value=1.0)
+                f32(b + "attn_k_norm.weight", hd, value=1.0)
+            quant(b + "ffn_gate.weight", Q.Q8_0, inter, h)
+            quant(b + "ffn_up.weight", Q.Q8_0, inter, h)
+            quant(b + "ffn_down.weight", Q.Q8_0, h, inter)
+        shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "linear_heads": [nk, nv],
+                 "linear_head_dims": [dk, dv], "intermediate": inter, "format": "Q8_0"}
     else:
         raise SystemExit(f"unknown --arch {arch}")
     w.write_header_to_file()
@@ -221,7 +272,7 @@ def llama_bench(binary: Path, path: Path, tokens: int, threads: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=("gpt-oss", "gemma4"), required=True)
+    ap.add_argument("--arch", choices=("gpt-oss", "gemma4", "qwen35"), required=True)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
