@@ -335,30 +335,10 @@ struct Q5_1L : Min32L<32> {
   static constexpr int64_t BS = 256, TS = 8 * 24, GBS = 32, GTS = 24;
 };
 
-// IQ4_NL: [d x 8][qs' 128] (Q4_0's lanes): the nibbles index llama.cpp's 16 non-linear int8 values
-// (|w| <= 127), looked up with pshufb; sum x w = dx_j * d_j * sum q w.
-struct IQ4_NLL {
-  static constexpr int64_t BS = 256, TS = 8 * 18, GBS = 32, GTS = 18;
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 127;
-  static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = true;  // values -127 .. 113
-  struct Pre {
-    __m256 d;
-  };
-  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16x8(b); }
-  static QD_INLINE int acc_of(int v) { return v % 2; }
-  template <class P>
-  static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    iq4_seg<16>(s, b, put);
-  }
-  static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
-    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
-  }
-};
-
-// MXFP4 (OCP microscaling FP4, GPT-OSS's experts): [e x 8][qs' 128]: per 32-block one E8M0 byte e
-// and 32 FP4 (E2M1) nibbles in IQ4_NL's order. The nibbles index llama.cpp's kvalues_mxfp4 (twice
-// the E2M1 values, so integers: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and the scale is
-// 2^(e - 128) (half of 2^(e - 127), ggml_e8m0_to_fp32_half): exact in fp32 for every byte.
+// MXFP4 (OCP microscaling FP4, GPT-OSS's experts): per 32-block one E8M0 byte e and 32 FP4 (E2M1)
+// nibbles in IQ4_NL's order. The nibbles index llama.cpp's kvalues_mxfp4 (twice the E2M1 values, so
+// integers: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and the scale is 2^(e - 128) (half of
+// 2^(e - 127), ggml_e8m0_to_fp32_half): exact in fp32 for every byte.
 QD_INLINE __m256i mxfp4_table() {
   const __m128i t = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   return _mm256_set_m128i(t, t);
@@ -371,26 +351,36 @@ QD_INLINE __m256 e8m0_half8(const uint8_t* p) {
   const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), _mm256_min_epi32(e, one));
   return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, one)));
 }
-struct MXFP4L {
-  static constexpr int64_t BS = 256, TS = 8 * 17, GBS = 32, GTS = 17;
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 12;
-  static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = true;  // values -12 .. 12
+
+// The 32-block formats whose nibbles index a table of 16 signed values (|w| <= VMAX), looked up with
+// pshufb: [scale x 8 (SCALE decodes them)][qs' 128 at byte QS] (Q4_0's lanes); sum x w = dx_j * d_j *
+// sum q w. IQ4_NL: fp16 scales, llama.cpp's non-linear values; MXFP4: E8M0 scales, FP4 values.
+template <int64_t QS, int VMAX, __m256 (*SCALE)(const uint8_t*), __m256i (*TABLE)()>
+struct Table32L {
+  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * VMAX;
+  static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = true;
   struct Pre {
     __m256 d;
   };
-  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = e8m0_half8(b); }
+  static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = SCALE(b); }
   static QD_INLINE int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
     __m256i lo, hi;
-    nibble_pair(b + 8 + 32 * s, lo, hi);
-    const __m256i t = mxfp4_table();
+    nibble_pair(b + QS + 32 * s, lo, hi);
+    const __m256i t = TABLE();
     put(2 * s, _mm256_shuffle_epi8(t, lo));
     put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
   }
+};
+struct IQ4_NLL : Table32L<16, 127, fp16x8, iq4_table> {  // values -127 .. 113
+  static constexpr int64_t BS = 256, TS = 8 * 18, GBS = 32, GTS = 18;
+};
+struct MXFP4L : Table32L<8, 12, e8m0_half8, mxfp4_table> {  // values -12 .. 12
+  static constexpr int64_t BS = 256, TS = 8 * 17, GBS = 32, GTS = 17;
 };
 
 // ---------------------------------------------------------------------------------------------
