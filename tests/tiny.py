@@ -449,15 +449,8 @@ def hf_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = None) -
     return _finish(w, path)
 
 
-_QWEN35_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
+_QWEN35_LAYER = _GGUF_LAYER | {  # Qwen3.5: the post-attention norm's own name, the Gated DeltaNet layers'
     "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight",
@@ -467,9 +460,6 @@ _QWEN35_LAYER = {
     "linear_attn.A_log": "ssm_a",
     "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
 }
 _QWEN35_MTP = {"fc.weight": "nextn.eh_proj.weight", "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
                "pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "norm.weight": "nextn.shared_head_norm.weight"}
@@ -587,20 +577,7 @@ def qwen3_5_to_gguf(folder: Path, path: Path, qtypes: dict[str, str] | None = No
     return _finish(w, path)
 
 
-_GEMMA4_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+_GEMMA4_LAYER = _GGUF_LAYER | _GGUF_ARCH_LAYER["gemma3"] | {  # Gemma 3's norms, then Gemma 4's own tensors
     "layer_scalar": "layer_output_scale.weight",
     "per_layer_input_gate.weight": "inp_gate.weight",
     "per_layer_projection.weight": "proj.weight",
