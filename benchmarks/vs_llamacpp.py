@@ -9,8 +9,10 @@ machine (thermal, other processes) hits both alike:
 
 (a) Forward passes ("pp1..pp32" at batch 1): T new tokens (T = --rows) decoded after a context of
     --context tokens, logits for every row as in a speculative verification pass, KV cache rolled
-    back after each pass. Median (and minimum) of --repeats passes per engine and T, the two
-    engines alternating pass by pass (A B, then B A, ...). The cost of T rows relative to 1 row is
+    back after each pass. Each engine's turn is a burst of back-to-back passes (3 untimed, then
+    the median of 3 timed: passes straight after a pause run slower on these VMs); median (and
+    minimum) of --repeats turns per engine and T, the engines alternating turn by turn (A B, then
+    B A, ...). The cost of T rows relative to 1 row is
     what speculative decoding lives on, so it is reported too.
 (b) Greedy decoding: up to --tokens new tokens for each of the first --prompts HumanEval prompts,
     rendered with the model's chat template exactly as ``quickdraft bench`` does; the same prompt
@@ -47,6 +49,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +67,7 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release this benchmark was w
 WORKER = Path(__file__).with_name("_llamacpp_worker.py")
 LLAMACPP = "llama.cpp"  # the contender name of llama.cpp in records and tables
 DEFAULT_METHODS = "none,auto,ngram"
+BURST_WARM, BURST_TIMED = 3, 3  # passes per turn of the pass timing: untimed, then timed (median)
 PASS_TEXT = '''def merge_intervals(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Merge overlapping closed intervals and return them sorted by start."""
     out: list[tuple[int, int]] = []
@@ -488,22 +492,24 @@ def measure_passes(
     model.prefill(torch.tensor(ctx), cache)  # chunked, as the engine prefills
     new_t = torch.tensor(new)
 
-    # Each timed pass follows an untimed one of the same size: decode and verification run passes
-    # back to back, and the first pass after a pause (settle) also pays for waking the sleeping
-    # threads, 10-15% of a 1-row pass here (measured 2026-12-04; it made 1-row passes look slower
-    # than 2-row ones).
+    # Each turn is a burst of back-to-back passes of one size, as decode and verification run them:
+    # BURST_WARM untimed, then BURST_TIMED timed, the turn's time their median. After a pause
+    # (settle, the other engine's turn) this machine takes several passes to come up to speed: on a
+    # Zen 4 VM, 1-row passes of the 1.5B took 34-35 ms for the first two after a pause and 28.5 ms
+    # back to back (2026-12-06), so timing the second pass after the pause (the old protocol) made
+    # quickdraft's 1-row pass look slower than its 2-row pass and than its own decode step.
     def qd_pass(r: int) -> float:
-        dt = 0.0
-        for _ in range(2):
+        times = []
+        for _ in range(BURST_WARM + BURST_TIMED):
             t0 = time.perf_counter()
             model(new_t[:r], cache)  # logits for all r rows, like a verification pass
-            dt = time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
             cache.truncate(context)
-        return dt
+        return float(statistics.median(times[BURST_WARM:]))
 
     def lc_pass(r: int) -> float:
-        reply = worker.request("pass_times", context=ctx, tokens=new, rows=[r], repeats=2)
-        return float(reply["seconds"][str(r)][-1])
+        reply = worker.request("pass_times", context=ctx, tokens=new, rows=[r], repeats=BURST_WARM + BURST_TIMED)
+        return float(statistics.median(float(t) for t in reply["seconds"][str(r)][BURST_WARM:]))
 
     engines: dict[str, Callable[[int], float]] = {LLAMACPP: lc_pass, "quickdraft": qd_pass}
     for f in engines.values():  # warm-up: first-call allocations, page cache, kernel builds

@@ -23,6 +23,7 @@ struct Tuning {
   int prefetch;  // the next panels: 0 not prefetched, 1 into L1, 2 into L2, 3 L1 for 1-2 rows of small panels, else L2
   int ahead;     // how many panels ahead (1..4)
   int runs;      // work items per thread (1..16): runs of consecutive panels, handed out dynamically
+  int tile1;     // weight rows per register tile of one input row: 2, 4 or 8 (0: the build's default)
 };
 constexpr int TUNING_CLASSES = 3;  // 1 row (decode), 2-16 rows (verification), more (prefill)
 inline int tuning_class(int64_t T) { return T == 1 ? 0 : T <= 16 ? 1 : 2; }
@@ -409,15 +410,18 @@ struct KMinL {
   struct Pre {
     __m256 dsc, dmm;  // d * sc_j, dmin * m_j (lane j: 32-group j)
   };
+  // The 8 6-bit scales and mins from their 12 bytes (u0, u1, u2: scales, mins, both's j >= 4 low
+  // nibbles) with two byte shuffles: sc_j = u0_j & 63 (j < 4), u2_j & 15 | (u0_j >> 6) << 4 (j >= 4);
+  // m_j likewise from u1 and u2's high nibbles. (The 16-byte load ends inside the block.)
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
-    uint32_t u[3];
-    std::memcpy(u, b + 4, 12);
-    const uint64_t sc = (uint64_t{(u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)} << 32) |
-                        (u[0] & 0x3f3f3f3fu);
-    const uint64_t mn = (uint64_t{((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)} << 32) |
-                        (u[1] & 0x3f3f3f3fu);
-    const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i a = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0b1000),  // m_4..7: u2's high nibbles
+                                      _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+    const __m128i v = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));  // sc | m
+    const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
     p.dsc = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), s);
     p.dmm = _mm256_mul_ps(_mm256_set1_ps(fp16(b + 2)), m);
   }
@@ -1035,10 +1039,9 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
   }
 }
 
-template <class F, int TT>
+template <class F, int TT, int NN = nn_for<F>(TT)>
 __attribute__((noinline)) void tile_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc,
                                           bool first) {
-  constexpr int NN = nn_for<F>(TT);
   static_assert(NP % NN == 0, "NN must divide NP");
   for (int j = 0; j < NP; j += NN) tile<F, TT, NN>(x, b + j, nblk, acc + j * 8, first);
   // GCC 12 (-O1 and up) wrongly summarizes some instances (32-blocks, TT <= 2) as writing no
@@ -1046,15 +1049,28 @@ __attribute__((noinline)) void tile_panel(const XChunk* x, const uint8_t* const*
   __asm__ volatile("" ::: "memory");
 }
 
+// One input row against the panel, tile1 weight rows per register tile (Tuning::tile1; 0: the
+// build's default). The tile shape changes which registers hold which sums, never a sum: the
+// integer dot products are exact and each (row, output) keeps its one float sequence.
+template <class F>
+void row_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, bool first, int tile1) {
+  switch (tile1) {
+    case 2: tile_panel<F, 1, 2>(x, b, nblk, acc, first); break;
+    case 4: tile_panel<F, 1, 4>(x, b, nblk, acc, first); break;
+    case 8: tile_panel<F, 1, 8>(x, b, nblk, acc, first); break;
+    default: tile_panel<F, 1>(x, b, nblk, acc, first); break;
+  }
+}
+
 // tb input rows (consecutive chunks from x) against the panel; first: acc is not yet written
 // (the panel's first chunk: the tiles start from zero instead of reading acc).
 template <class F>
-void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, int tb, bool first) {
+void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, int tb, bool first, int tile1) {
   int t = 0;
   for (; t + TT_MAX <= tb; t += TT_MAX) tile_panel<F, TT_MAX>(x + t, b, nblk, acc + t * NP * 8, first);
   switch (tb - t) {
     case 0: break;
-    case 1: tile_panel<F, 1>(x + t, b, nblk, acc + t * NP * 8, first); break;
+    case 1: row_panel<F>(x + t, b, nblk, acc + t * NP * 8, first, tile1); break;
     case 2: tile_panel<F, 2>(x + t, b, nblk, acc + t * NP * 8, first); break;
     case 3: tile_panel<F, 3>(x + t, b, nblk, acc + t * NP * 8, first); break;
     case 4: tile_panel<F, 4>(x + t, b, nblk, acc + t * NP * 8, first); break;
@@ -1096,7 +1112,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, const 
       const int64_t nblk = 1;  // one (super-)block of 256 per row and step (a partial last one padded)
       const uint8_t* b[NP];  // rows past N repeat the last one; their results are dropped
       for (int j = 0; j < NP; ++j) b[j] = base + (c0 / F::BS * nn + std::min(j, nn - 1)) * F::TS;
-      rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb, c0 == 0);
+      rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb, c0 == 0, tune.tile1);
     }
     for (int t = 0; t < tb; ++t)
       store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr);

@@ -6,7 +6,10 @@ the same bits, so batch invariance and lossless speculation hold whichever runs;
 * the instruction set: the AVX2 build or the AVX-512 VNNI one (where the CPU runs it);
 * per class of row counts (1 row: decode; 2-16 rows: verification; more: prefill):
   ``prefetch`` (0: the next panels are not prefetched, 1: into L1, 2: into L2, 3: L1 for 1-2 rows of
-  small panels, else L2), ``ahead`` (how many panels ahead) and ``runs`` (work items per thread).
+  small panels, else L2), ``ahead`` (how many panels ahead), ``runs`` (work items per thread) and
+  ``tile1``, the register tile's shape for one input row (2, 4 or 8 weight rows at a time; 0: the
+  build's default, 4): wider tiles load each activation vector once for more weight rows, narrower
+  ones keep fewer accumulators live; which wins depends on the format and the CPU.
 
 Which is fastest depends on the CPU (cache sizes, prefetchers, memory latency) and the model's
 shapes, so at the first start of a model on a machine (and after a kernel build change) :func:`tune`
@@ -38,14 +41,16 @@ if TYPE_CHECKING:
 MAX_AGE_DAYS = 30
 FILE_NAME = "kernel_choices.json"
 MIN_WEIGHT_BYTES = 32 << 20  # smaller models keep the defaults: their passes are too short to time apart
-Setting = tuple[int, int, int]  # (prefetch, ahead, runs)
+Setting = tuple[int, int, int, int]  # (prefetch, ahead, runs, tile1)
 CLASSES = (("1 row", 1), ("2-16 rows", 8), ("17+ rows", 64))  # (name, rows timed) per class 0, 1, 2
-DEFAULTS: tuple[Setting, ...] = ((3, 1, 2), (3, 1, 4), (3, 1, 4))  # the kernels' own (ggml_cpu.cpp)
+DEFAULTS: tuple[Setting, ...] = ((3, 1, 2, 0), (3, 1, 4, 0), (3, 1, 4, 0))  # the kernels' own (ggml_cpu.cpp)
 CANDIDATES: tuple[tuple[Setting, ...], ...] = (
-    ((2, 1, 2), (1, 1, 2), (0, 1, 2), (3, 2, 2), (2, 2, 2), (3, 1, 4), (3, 1, 1)),
-    ((2, 2, 4), (0, 1, 4), (3, 1, 2), (3, 1, 8)),
-    ((0, 1, 4), (3, 1, 8)),
+    ((2, 1, 2, 0), (1, 1, 2, 0), (0, 1, 2, 0), (3, 2, 2, 0), (2, 2, 2, 0), (3, 1, 4, 0), (3, 1, 1, 0)),
+    ((2, 2, 4, 0), (0, 1, 4, 0), (3, 1, 2, 0), (3, 1, 8, 0)),
+    ((0, 1, 4, 0), (3, 1, 8, 0)),
 )
+# Raced second, on top of a class's chosen (prefetch, ahead, runs): the one-row tile shapes.
+TILE_CANDIDATES: tuple[tuple[int, ...], ...] = ((2, 8), (), ())
 ROUNDS = 7  # per class; each candidate timed once per round, in rotated order
 MARGIN = 0.97  # a candidate must be at least 3% faster (min and median) to replace the default
 _PREFETCH = {0: "no prefetch", 1: "prefetch into L1", 2: "prefetch into L2", 3: "prefetch L1/L2"}
@@ -66,8 +71,9 @@ class Choice:
             if setting == default:
                 parts.append(f"{name}: default")
             else:
-                prefetch, ahead, runs = setting
-                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} runs/thread")
+                prefetch, ahead, runs, tile1 = setting
+                tile = f", {tile1}-row tiles" if tile1 else ""
+                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} runs/thread{tile}")
         when = "measured now" if self.fresh else f"kept from {time.strftime('%Y-%m-%d', time.localtime(self.measured))}"
         return f"kernels: {self.isa} q8 GEMM; {'; '.join(parts)} ({when}; QUICKDRAFT_TUNE=0 keeps the defaults)"
 
@@ -177,6 +183,9 @@ def measure(model: nn.Module, isas: list[str], say: Callable[[str], None]) -> Ch
             continue
         times = _race(mod, cls, timer, [default, *candidates])
         chosen = _better(times, default)
+        if TILE_CANDIDATES[cls]:  # the tile shapes, on top of the chosen data movement
+            shapes = [chosen, *((chosen[0], chosen[1], chosen[2], t) for t in TILE_CANDIDATES[cls])]
+            chosen = _better(_race(mod, cls, timer, shapes), chosen)
         mod.set_tuning(cls, *chosen)
         settings.append(chosen)
     return Choice(isa, tuple(settings), time.time(), fresh=True)
@@ -196,6 +205,11 @@ def tuning_key(path: Path) -> str:
                      f"isa={os.environ.get('QUICKDRAFT_ISA', '').strip().lower() or 'auto'}"])
 
 
+def _valid(s: tuple[int, ...]) -> bool:
+    """A setting the kernels take (ggml_cpu.cpp set_tuning's ranges)."""
+    return len(s) == 4 and 0 <= s[0] <= 3 and 1 <= s[1] <= 4 and 1 <= s[2] <= 16 and s[3] in (0, 2, 4, 8)
+
+
 def _kept(entry: object, isas: list[str]) -> Choice | None:
     try:
         assert isinstance(entry, dict)
@@ -205,7 +219,7 @@ def _kept(entry: object, isas: list[str]) -> Choice | None:
     except (AssertionError, KeyError, TypeError, ValueError):
         return None
     if (time.time() - measured > MAX_AGE_DAYS * 86400 or isa not in isas or len(settings) != len(DEFAULTS)
-            or not all(len(s) == 3 for s in settings) or not math.isfinite(measured)):
+            or not all(_valid(s) for s in settings) or not math.isfinite(measured)):
         return None
     return Choice(isa, settings, measured)  # type: ignore[arg-type]
 
