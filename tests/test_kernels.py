@@ -621,6 +621,24 @@ def test_lanes_kernel_repack_equals_reference(qtype):
 
 
 @requires_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.IQ4_XS], ids=lambda q: q.name)
+def test_repack_of_a_matrix_taller_than_one_slab(qtype):
+    """repack_lanes works in slabs of 4096 rows (whole panels; a load never holds a big output head
+    three times): a 8203-row matrix (two slabs and a partial last panel) repacks to what the same
+    rows give panel by panel, back to the same bytes, and its rows read back as GGML blocks."""
+    mod = kernels.load()
+    n, k = 8203, 256
+    raw = torch.from_numpy(random_raw(qtype, n, k, seed=34))
+    lanes = mod.repack_lanes(int(qtype), raw, k, True)  # type: ignore[union-attr]
+    assert torch.equal(mod.repack_lanes(int(qtype), lanes, k, False), raw)  # type: ignore[union-attr]
+    for r0 in (0, 4096, 8192):  # panels never straddle a slab: each slab alone repacks the same
+        part = raw[r0:r0 + 4096].contiguous()
+        assert torch.equal(lanes[r0:r0 + 4096], mod.repack_lanes(int(qtype), part, k, True))  # type: ignore[union-attr]
+    ids = torch.tensor([0, 4095, 4096, 4100, 8191, 8202])
+    assert torch.equal(mod.lanes_rows(int(qtype), lanes, k, ids), raw[ids])  # type: ignore[union-attr]
+
+
+@requires_kernels
 @pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_lanes_layout_switches_with_the_path(qtype):
     """A q8 kernel call repacks the module's weight into lanes (a copy: the caller's tensor is left

@@ -297,15 +297,24 @@ torch::Tensor repack_lanes(int64_t qtype, const torch::Tensor& raw, int64_t K, b
   const LaneSizes z = lane_sizes(qtype, K);
   TORCH_CHECK(raw.size(1) == (to_lanes ? z.ggml_row : z.lanes_row), "raw has ", raw.size(1),
               " bytes per row, expected ", to_lanes ? z.ggml_row : z.lanes_row);
-  auto rows = torch::empty({N, z.lanes_row}, raw.options());  // lanes, row by row
+  // Slabs of SLAB rows (whole panels: a slab's panels sit where the whole tensor's do) through one
+  // row-by-row lanes buffer, so a large matrix (a 150k-row output head) is never held three times.
+  constexpr int64_t SLAB = 4096;
+  static_assert(SLAB % NP == 0, "a slab is whole panels");
+  auto rows = torch::empty({std::min(N, SLAB), z.lanes_row}, raw.options());  // lanes, row by row
   auto out = torch::empty({N, to_lanes ? z.lanes_row : z.ggml_row}, raw.options());
   pybind11::gil_scoped_release nogil;
-  if (to_lanes) {
-    convert_rows(qtype, raw.data_ptr<uint8_t>(), rows.data_ptr<uint8_t>(), N, K, z, true, nt);
-    q8::interleave_panels(rows.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), N, z.lanes_row, z.block, true, nt);
-  } else {
-    q8::interleave_panels(raw.data_ptr<uint8_t>(), rows.data_ptr<uint8_t>(), N, z.lanes_row, z.block, false, nt);
-    convert_rows(qtype, rows.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), N, K, z, false, nt);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t *buf = rows.data_ptr<uint8_t>(), *dst = out.data_ptr<uint8_t>();
+  for (int64_t r0 = 0; r0 < N; r0 += SLAB) {
+    const int64_t n = std::min(SLAB, N - r0);
+    if (to_lanes) {
+      convert_rows(qtype, src + r0 * z.ggml_row, buf, n, K, z, true, nt);
+      q8::interleave_panels(buf, dst + r0 * z.lanes_row, n, z.lanes_row, z.block, true, nt);
+    } else {
+      q8::interleave_panels(src + r0 * z.lanes_row, buf, n, z.lanes_row, z.block, false, nt);
+      convert_rows(qtype, buf, dst + r0 * z.ggml_row, n, K, z, false, nt);
+    }
   }
   return out;
 }
