@@ -85,14 +85,17 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0) -> dict[str, A
     def quant(name: str, qtype: Any, rows: int, cols: int, lead: tuple[int, ...] = ()) -> None:
         w.add_tensor(name, random_blocks(qtype, rows, cols, rng, lead), raw_dtype=qtype)
 
+    def attention(hidden: int, ff: int | list[int], heads: int, kv_heads: int | list[int], head_dim: int) -> None:
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(ff)
+        w.add_head_count(heads)
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+
     if arch == "gpt-oss":
         h, nh, nkv, hd, experts, top, inter = 2880, 64, 8, 64, 32, 4, 2880
-        w.add_embedding_length(h)
-        w.add_feed_forward_length(inter)
-        w.add_head_count(nh)
-        w.add_head_count_kv(nkv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        attention(h, inter, nh, nkv, hd)
         w.add_rope_freq_base(150000.0)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(32.0)
@@ -134,12 +137,7 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0) -> dict[str, A
         swa[first_shared - 2:] = [True, False]
         swa += [True] * (shared - 1) + [False] * min(shared, 1)
         ff = [2 * inter if i >= first_shared else inter for i in range(layers)]
-        w.add_embedding_length(h)
-        w.add_feed_forward_length(ff)
-        w.add_head_count(nh)
-        w.add_head_count_kv([nkv] * layers)
-        w.add_key_length(ghd)
-        w.add_value_length(ghd)
+        attention(h, ff, nh, [nkv] * layers, ghd)
         w.add_key_length_swa(hd)
         w.add_value_length_swa(hd)
         w.add_rope_dimension_count(ghd)
@@ -182,12 +180,7 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0) -> dict[str, A
         h, nh, nkv, hd, inter = 1024, 8, 2, 256, 3584
         nk, nv, dk, dv, conv = 16, 16, 128, 128, 4
         kinds = [(i + 1) % 4 != 0 for i in range(layers)]  # True: Gated DeltaNet; every 4th full attention
-        w.add_embedding_length(h)
-        w.add_feed_forward_length(inter)
-        w.add_head_count(nh)
-        w.add_head_count_kv(nkv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        attention(h, inter, nh, nkv, hd)
         w.add_rope_dimension_count(hd // 4)
         w.add_rope_dimension_sections([11, 11, 10, 0])
         w.add_rope_freq_base(10_000_000.0)

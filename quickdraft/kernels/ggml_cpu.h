@@ -155,6 +155,19 @@ struct Q8_0 {  // d: f16, qs[32]: int8; w = q*d
   }
 };
 
+// Q4_K / Q5_K's 8 6-bit scales and 8 mins (block bytes 4..15: u0, u1, u2 = scales, mins, both's
+// j >= 4 low bits) as bytes sc_0..7 | m_0..7, with two byte shuffles: sc_j = u0_j & 63 (j < 4),
+// u2_j & 15 | (u0_j >> 6) << 4 (j >= 4); m_j likewise from u1 and u2's high nibbles. (The 16-byte
+// load ends inside the block.) kscale_min below is the same rule for one group.
+QD_INLINE __m128i kscales_mins(const uint8_t* b) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  const __m128i a = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0b1000),  // m_4..7: u2's high nibbles
+                                    _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  return _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+}
+
 // Q4_K: super-block of 256 = 8 groups of 32. d, dmin: f16; scales[12]: 8 6-bit scales and mins;
 // qs[128]: bytes 32s..32s+31 hold group 2s (lo nibbles) and group 2s+1 (hi nibbles).
 // w = (d*sc)*q - dmin*m. d*sc (<= 17 significant bits) and (d*sc)*q (<= 21) are exact in fp32,
@@ -168,15 +181,9 @@ struct Q4_K {
     alignas(32) float dm[16];  // d*sc[0..7], dmin*m[0..7]
   };
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
-    uint32_t u[3];
-    std::memcpy(u, b + 4, 12);
-    // 6-bit scales and mins as bytes: sc[0..3] | sc[4..7] and m[0..3] | m[4..7]
-    const uint64_t sc = (uint64_t{(u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)} << 32) |
-                        (u[0] & 0x3f3f3f3fu);
-    const uint64_t mn = (uint64_t{((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)} << 32) |
-                        (u[1] & 0x3f3f3f3fu);
-    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
-    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+    const __m128i v = kscales_mins(b);
+    const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
     _mm256_store_ps(p.dm, _mm256_mul_ps(_mm256_set1_ps(fp16(b)), scf));
     _mm256_store_ps(p.dm + 8, _mm256_mul_ps(_mm256_set1_ps(fp16(b + 2)), mnf));
   }

@@ -410,16 +410,8 @@ struct KMinL {
   struct Pre {
     __m256 dsc, dmm;  // d * sc_j, dmin * m_j (lane j: 32-group j)
   };
-  // The 8 6-bit scales and mins from their 12 bytes (u0, u1, u2: scales, mins, both's j >= 4 low
-  // nibbles) with two byte shuffles: sc_j = u0_j & 63 (j < 4), u2_j & 15 | (u0_j >> 6) << 4 (j >= 4);
-  // m_j likewise from u1 and u2's high nibbles. (The 16-byte load ends inside the block.)
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-    const __m128i a = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i low = _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0b1000),  // m_4..7: u2's high nibbles
-                                      _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
-    const __m128i v = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));  // sc | m
+    const __m128i v = kscales_mins(b);  // sc_0..7 | m_0..7
     const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
     p.dsc = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), s);
