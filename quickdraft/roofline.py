@@ -4,31 +4,29 @@ A plain decode step reads every weight of the model once (the output head includ
 embedding table only one row) plus the keys and values of the context. Its time cannot be less
 than those bytes over the machine's read bandwidth, which :func:`read_bandwidth` measures with a
 short streaming-read probe (the kernels' ``read_bandwidth``: 2 threads by default read a 256 MiB
-buffer, best of 3) and keeps per (CPU, threads) in ``<cache>/bandwidth.json`` for 30 days.
+buffer, best of 4), beside the decode it is compared with: before and after a benchmark's runs.
 
-    line = roofline_line(model, tokens_per_second=9.8, context=300)
+    before = read_bandwidth()
+    ...  # plain decoding at 9.8 tok/s, 300 tokens of context
+    print(roofline(model, 9.8, 300, [before, read_bandwidth()]).line())
     # "decode roofline: 1.05 GB per token (weights 1.02 GB, KV 0.03 GB at 300 tokens) x 9.8 tok/s
-    #  = 10.3 GB/s = 58% of this machine's measured 17.7 GB/s read bandwidth (2 threads)"
+    #  = 10.3 GB/s = 58% of this machine's read bandwidth measured beside it, 17.7 GB/s (probes
+    #  17.1, 18.3 GB/s; 2 threads)"
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from quickdraft import kept, zoo
 from quickdraft.cache import kv_value_bytes
-from quickdraft.hardware import cpu_model
 from quickdraft.models.causal_lm import CausalLM
 
-MAX_AGE_DAYS = 30
 PROBE_BYTES = 256 << 20  # far beyond any L3 of the machines this runs on
-FILE_NAME = "bandwidth.json"
-PROBE_VERSION = 2  # a probe that measures differently is measured again (2: software prefetch too)
+PROBE_REPEATS = 4  # the best of: every other one with software prefetch
 
 
 def weight_read_bytes(model: nn.Module) -> int:
@@ -65,45 +63,38 @@ def kv_read_bytes(model: CausalLM, context: int) -> int:
     return int(per_token * context * kv_value_bytes(model.kv_dtype or model.dtype))
 
 
-def read_bandwidth(threads: int | None = None, path: Path | None = None) -> float | None:
+def read_bandwidth(threads: int | None = None) -> float | None:
     """This machine's streaming-read bandwidth in GB/s (1e9 bytes/s) with ``threads`` threads
-    (default: torch's), kept from an earlier measurement or measured now (~0.5 s); None without
-    the native kernels."""
+    (default: torch's), measured now (~0.3 s); None without the native kernels. Measured where it
+    is used, never kept: on a shared machine it moves by 1.5x within minutes (measured on a Zen 4
+    VM: 32-36 GB/s and 57-59 GB/s a few seconds apart), and a decode step moves with it."""
     from quickdraft.quant.ggml import active_kernels
 
     mod = active_kernels()
     if mod is None:
         return None
-    threads = threads or torch.get_num_threads()
-    path = path or zoo.cache_dir() / FILE_NAME
-    key = f"{cpu_model()}|threads={threads}|probe={PROBE_VERSION}"
-    entries, _ = kept.read(path)
-    try:
-        entry = entries[key]
-        if time.time() - float(entry["measured"]) < MAX_AGE_DAYS * 86400 and float(entry["gbs"]) > 0:
-            return float(entry["gbs"])
-    except (KeyError, TypeError, ValueError):
-        pass
-    gbs = float(mod.read_bandwidth(PROBE_BYTES, threads, 4))
-    entries[key] = {"measured": time.time(), "gbs": gbs}
-    kept.write(path, entries)  # (where it cannot, measured again next time)
-    return gbs
+    return float(mod.read_bandwidth(PROBE_BYTES, threads or torch.get_num_threads(), PROBE_REPEATS))
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """One decode step against the machine's read bandwidth."""
+    """One decode step against the machine's read bandwidth, probed beside it (``probes``: GB/s)."""
 
     weight_bytes: int
     kv_bytes: int
     context: int
     tokens_per_second: float
-    bandwidth_gbs: float | None
+    probes: tuple[float, ...]
     threads: int
 
     @property
     def achieved_gbs(self) -> float:
         return (self.weight_bytes + self.kv_bytes) * self.tokens_per_second / 1e9
+
+    @property
+    def bandwidth_gbs(self) -> float | None:
+        """The mean of the probes (None without any)."""
+        return sum(self.probes) / len(self.probes) if self.probes else None
 
     @property
     def fraction(self) -> float | None:
@@ -114,20 +105,30 @@ class Roofline:
         text = (f"decode roofline: {total:.2f} GB per token (weights {self.weight_bytes / 1e9:.2f} GB, KV "
                 f"{self.kv_bytes / 1e9:.3f} GB at {self.context} tokens) x {self.tokens_per_second:.1f} tok/s = "
                 f"{self.achieved_gbs:.1f} GB/s")
-        if self.fraction is None:
+        if self.fraction is None or self.bandwidth_gbs is None:
             return text + " (no bandwidth probe without the native kernels)"
-        return (f"{text} = {100 * self.fraction:.0f}% of this machine's measured {self.bandwidth_gbs:.1f} GB/s "
-                f"read bandwidth ({self.threads} threads)")
+        probes = ", ".join(f"{g:.1f}" for g in self.probes)
+        return (f"{text} = {100 * self.fraction:.0f}% of this machine's read bandwidth measured beside it, "
+                f"{self.bandwidth_gbs:.1f} GB/s (probe{'s' if len(self.probes) > 1 else ''} {probes} GB/s; "
+                f"{self.threads} threads)")
 
-    def as_dict(self) -> dict[str, float | int | None]:
+    def as_dict(self) -> dict[str, object]:
         return {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes, "context": self.context,
                 "tokens_per_second": self.tokens_per_second, "achieved_gbs": self.achieved_gbs,
-                "read_bandwidth_gbs": self.bandwidth_gbs, "fraction": self.fraction, "threads": self.threads}
+                "read_bandwidth_gbs": self.bandwidth_gbs, "probes_gbs": list(self.probes),
+                "fraction": self.fraction, "threads": self.threads}
 
 
-def roofline(model: CausalLM, tokens_per_second: float, context: int) -> Roofline:
-    """Plain decoding at ``tokens_per_second`` with ``context`` tokens cached, against the probe."""
+def roofline(
+    model: CausalLM, tokens_per_second: float, context: int, probes: Sequence[float | None] = ()
+) -> Roofline:
+    """Plain decoding at ``tokens_per_second`` with ``context`` tokens cached, against ``probes``
+    (:func:`read_bandwidth` results taken beside the decode: before and after it); none given (or
+    all None): one probe now. A model off the CPU gets none."""
     threads = torch.get_num_threads()
     on_cpu = next(model.parameters()).device.type == "cpu"
+    taken = [g for g in probes if g is not None] if on_cpu else []
+    if on_cpu and not taken and (now := read_bandwidth(threads)) is not None:
+        taken = [now]
     return Roofline(weight_read_bytes(model), kv_read_bytes(model, context), context, tokens_per_second,
-                    read_bandwidth(threads) if on_cpu else None, threads)
+                    tuple(taken), threads)

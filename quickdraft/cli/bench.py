@@ -204,11 +204,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_concurrency(args, methods, endpoints, opts, dataset, settings)
     contenders, model_path, model = _contenders(args, methods, endpoints, opts)
     info(f"measuring {', '.join(c.name for c in contenders)}; speedup over {baseline}")
+    before = _bandwidth_probe(model, methods)  # the roofline's bandwidth: probed before and after the runs
     records = runner.run_bench(contenders, dataset, settings, progress=not args.no_progress)
+    probes = [before, _bandwidth_probe(model, methods)]
     fill_speedups(records, baseline)
     meta = _meta(args, model_path, dataset, methods, opts)
     result = report.build_report(meta, [c.describe() for c in contenders], records, baseline)
-    if model is not None and (roof := _plain_roofline(model, records)) is not None:
+    if model is not None and (roof := _plain_roofline(model, records, probes)) is not None:
         result["roofline"] = {**roof.as_dict(), "line": roof.line()}
     out = args.out or Path("benchmarks") / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
     paths = report.write_outputs(result, out)
@@ -252,8 +254,19 @@ def _run_concurrency(
     return 0
 
 
-def _plain_roofline(model: Any, records: list[Any]) -> Any:
-    """Plain decoding (method none, median tok/s and context) against the read bandwidth, or None."""
+def _bandwidth_probe(model: Any, methods: list[str]) -> float | None:
+    """The machine's read bandwidth now (GB/s), where a roofline will be printed (plain decoding of
+    an in-process model on the CPU); else None."""
+    from quickdraft.roofline import read_bandwidth
+
+    if model is None or "none" not in methods or next(model.parameters()).device.type != "cpu":
+        return None
+    return read_bandwidth()
+
+
+def _plain_roofline(model: Any, records: list[Any], probes: list[float | None]) -> Any:
+    """Plain decoding (method none, median tok/s and context) against the read bandwidth probed
+    before and after the runs, or None."""
     from quickdraft.roofline import roofline
 
     plain = [r for r in records if r.method == "none" and r.tokens_per_second]
@@ -261,7 +274,7 @@ def _plain_roofline(model: Any, records: list[Any]) -> Any:
         return None
     tps = statistics.median(r.tokens_per_second for r in plain)
     context = int(statistics.median(r.prompt_tokens + r.output_tokens // 2 for r in plain))
-    return roofline(model, tps, context)
+    return roofline(model, tps, context, probes)
 
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, str]]]:
