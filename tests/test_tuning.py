@@ -33,9 +33,10 @@ def restore_tuning():
 
 @pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_every_candidate_setting_gives_the_same_bits(qtype, restore_tuning) -> None:
-    """Every (prefetch, ahead, runs, one-row tile shape) the tuner may pick, for every class of row
-    counts, and every instruction set this CPU runs: bitwise the defaults' output (N spans several
-    panels and runs; the 1-row remainder tile of the 65-row class takes the tile shapes too)."""
+    """Every (prefetch, ahead, runs, one-row tile shape, one-row chaining) the tuner may pick, for
+    every class of row counts, and every instruction set this CPU runs: bitwise the defaults' output
+    (N spans several panels and runs, with a partial last panel; the 1-row remainder tile of the
+    65-row class takes the tile shapes too; K = 512 chains two chunks)."""
     mod = restore_tuning
     n, k = 203, 512
     lins = [GGMLLinear(qtype, torch.from_numpy(random_raw(qtype, n, k, seed=s)), k) for s in (1, 2)]
@@ -48,7 +49,7 @@ def test_every_candidate_setting_gives_the_same_bits(qtype, restore_tuning) -> N
         want = ggml_linear_multi(lins, x)
         for isa in isas:
             kernels.set_isa(isa)
-            tiles = {(*s[:3], t) for s in tuning.CANDIDATES[cls] for t in (0, 2, 4, 8)}
+            tiles = {(*s[:3], t, c) for s in tuning.CANDIDATES[cls] for t in (0, 2, 4, 8) for c in (0, 1)}
             for setting in {*tiles, *[s for c in tuning.CANDIDATES for s in c]}:
                 mod.set_tuning(cls, *setting)
                 got = ggml_linear_multi(lins, x)
@@ -57,9 +58,10 @@ def test_every_candidate_setting_gives_the_same_bits(qtype, restore_tuning) -> N
 
 def test_set_tuning_validates_and_reports(restore_tuning) -> None:
     mod = restore_tuning
-    prev = mod.set_tuning(0, 2, 2, 3, 8)
-    assert mod.tuning(0) == (2, 2, 3, 8) and mod.set_tuning(0, *prev) == (2, 2, 3, 8)
-    for bad in ((3, 3, 1, 2, 0), (0, 4, 1, 2, 0), (0, 1, 0, 2, 0), (0, 1, 5, 2, 0), (0, 1, 1, 17, 0), (0, 1, 1, 2, 3)):
+    prev = mod.set_tuning(0, 2, 2, 3, 8, 1)
+    assert mod.tuning(0) == (2, 2, 3, 8, 1) and mod.set_tuning(0, *prev) == (2, 2, 3, 8, 1)
+    for bad in ((3, 3, 1, 2, 0, 0), (0, 4, 1, 2, 0, 0), (0, 1, 0, 2, 0, 0), (0, 1, 5, 2, 0, 0), (0, 1, 1, 17, 0, 0),
+                (0, 1, 1, 2, 3, 0), (0, 1, 1, 2, 0, 2)):
         with pytest.raises(RuntimeError, match="must be"):
             mod.set_tuning(*bad)
 
@@ -79,15 +81,17 @@ def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, res
     # kept: a second start installs the stored choice without measuring
     entries = json.loads(store.read_text())
     (key,) = entries
-    entries[key]["settings"] = [[0, 2, 3, 8], [2, 2, 4, 0], [3, 1, 8, 0]]
+    entries[key]["settings"] = [[0, 2, 3, 8, 1], [2, 2, 4, 0, 0], [3, 1, 8, 0, 0]]
     store.write_text(json.dumps(entries))
     said.clear()
     kept = tuning.tune(model, model_path, said.append, store)
     assert kept is not None and not kept.fresh and not said
-    assert [mod.tuning(c) for c in range(3)] == [(0, 2, 3, 8), (2, 2, 4, 0), (3, 1, 8, 0)]
-    assert "no prefetch, 2 panel(s) ahead, 3 runs/thread, 8-row tiles" in kept.line() and "kept from" in kept.line()
-    # an entry of an older build (3 numbers per class) or out of the kernels' ranges: measured again
-    for old in ([[0, 2, 3], [2, 2, 4], [3, 1, 8]], [[0, 2, 3, 5], [2, 2, 4, 0], [3, 1, 8, 0]]):
+    assert [mod.tuning(c) for c in range(3)] == [(0, 2, 3, 8, 1), (2, 2, 4, 0, 0), (3, 1, 8, 0, 0)]
+    assert "no prefetch, 2 panel(s) ahead, 3 runs/thread, 8-row tiles, chunks chained" in kept.line()
+    assert "kept from" in kept.line()
+    # an entry of an older build (3 or 4 numbers per class) or out of the kernels' ranges: measured again
+    for old in ([[0, 2, 3], [2, 2, 4], [3, 1, 8]], [[0, 2, 3, 8], [2, 2, 4, 0], [3, 1, 8, 0]],
+                [[0, 2, 3, 5, 0], [2, 2, 4, 0, 0], [3, 1, 8, 0, 0]], [[0, 2, 3, 8, 2], [2, 2, 4, 0, 0], [3, 1, 8, 0, 0]]):
         entries[key]["settings"] = old
         store.write_text(json.dumps(entries))
         assert tuning.tune(model, model_path, said.append, store).fresh  # type: ignore[union-attr]

@@ -176,31 +176,33 @@ std::string set_isa(const std::string& name) {
 // The q8 GEMM's tuning per class of row counts (qd_abi::Tuning): the measured defaults until
 // set_tuning (quickdraft/kernels/tuning.py) installs this machine's choice. Every setting computes the
 // same bits, so a call that reads a half-updated one is still exact.
-std::array<std::array<std::atomic<int>, 4>, qd_abi::TUNING_CLASSES> g_tuning{
-    {{{3, 1, 2, 0}}, {{3, 1, 4, 0}}, {{3, 1, 4, 0}}}};
+std::array<std::array<std::atomic<int>, 5>, qd_abi::TUNING_CLASSES> g_tuning{
+    {{{3, 1, 2, 0, 1}}, {{3, 1, 4, 0, 0}}, {{3, 1, 4, 0, 0}}}};
 
 qd_abi::Tuning tuning_of(int cls) {
   const auto& t = g_tuning[cls];
   return {t[0].load(std::memory_order_relaxed), t[1].load(std::memory_order_relaxed), t[2].load(std::memory_order_relaxed),
-          t[3].load(std::memory_order_relaxed)};
+          t[3].load(std::memory_order_relaxed), t[4].load(std::memory_order_relaxed)};
 }
 
-// Sets class cls's (0: 1 row, 1: 2-16 rows, 2: more) prefetch, ahead, runs and one-row tile width;
-// returns the previous.
-std::tuple<int64_t, int64_t, int64_t, int64_t> set_tuning(int64_t cls, int64_t prefetch, int64_t ahead, int64_t runs,
-                                                          int64_t tile1) {
+// Sets class cls's (0: 1 row, 1: 2-16 rows, 2: more) prefetch, ahead, runs, one-row tile width and
+// one-row chaining; returns the previous.
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> set_tuning(int64_t cls, int64_t prefetch, int64_t ahead,
+                                                                   int64_t runs, int64_t tile1, int64_t chain) {
   TORCH_CHECK(cls >= 0 && cls < qd_abi::TUNING_CLASSES, "tuning class must be 0 (1 row), 1 (2-16 rows) or 2 (more)");
   TORCH_CHECK(prefetch >= 0 && prefetch <= 3, "prefetch must be 0 (none), 1 (L1), 2 (L2) or 3 (L1 for small decode panels)");
   TORCH_CHECK(ahead >= 1 && ahead <= 4, "ahead must be 1 .. 4 panels");
   TORCH_CHECK(runs >= 1 && runs <= 16, "runs must be 1 .. 16 per thread");
   TORCH_CHECK(tile1 == 0 || tile1 == 2 || tile1 == 4 || tile1 == 8,
               "tile1 must be 0 (the build's default), 2, 4 or 8 weight rows per one-row tile");
+  TORCH_CHECK(chain == 0 || chain == 1, "chain must be 0 (one row chunk by chunk) or 1 (a panel's chunks chained)");
   const qd_abi::Tuning prev = tuning_of(static_cast<int>(cls));
   g_tuning[cls][0] = static_cast<int>(prefetch);
   g_tuning[cls][1] = static_cast<int>(ahead);
   g_tuning[cls][2] = static_cast<int>(runs);
   g_tuning[cls][3] = static_cast<int>(tile1);
-  return {prev.prefetch, prev.ahead, prev.runs, prev.tile1};
+  g_tuning[cls][4] = static_cast<int>(chain);
+  return {prev.prefetch, prev.ahead, prev.runs, prev.tile1, prev.chain};
 }
 
 using WeightSpec = qd_api::WeightSpec;
@@ -419,14 +421,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode(m);
   m.def("isa", &isa, "the instruction set of the q8 GEMM in use: 'avx2' or 'avx512vnni'");
   m.def("set_tuning", &set_tuning,
-        "set the q8 GEMM's (prefetch, ahead, runs, tile1) for a class of row counts (0: 1 row, 1: 2-16, 2: "
-        "more); returns the previous", pybind11::arg("rows_class"), pybind11::arg("prefetch"), pybind11::arg("ahead"),
-        pybind11::arg("runs"), pybind11::arg("tile1") = 0);
+        "set the q8 GEMM's (prefetch, ahead, runs, tile1, chain) for a class of row counts (0: 1 row, 1: 2-16, "
+        "2: more); returns the previous", pybind11::arg("rows_class"), pybind11::arg("prefetch"), pybind11::arg("ahead"),
+        pybind11::arg("runs"), pybind11::arg("tile1") = 0, pybind11::arg("chain") = 0);
   m.def("tuning", [](int64_t cls) {
     TORCH_CHECK(cls >= 0 && cls < qd_abi::TUNING_CLASSES, "tuning class must be 0, 1 or 2");
     const auto t = tuning_of(static_cast<int>(cls));
-    return std::make_tuple(t.prefetch, t.ahead, t.runs, t.tile1);
-  }, "the q8 GEMM's (prefetch, ahead, runs) for a class of row counts", pybind11::arg("rows_class"));
+    return std::make_tuple(t.prefetch, t.ahead, t.runs, t.tile1, t.chain);
+  }, "the q8 GEMM's (prefetch, ahead, runs, tile1, chain) for a class of row counts", pybind11::arg("rows_class"));
   m.def("set_isa", &set_isa, "select the q8 GEMM build ('auto', 'avx2', 'avx512vnni'); returns the previous",
         pybind11::arg("name"));
 }

@@ -24,6 +24,8 @@ struct Tuning {
   int ahead;     // how many panels ahead (1..4)
   int runs;      // work items per thread (1..16): runs of consecutive panels, handed out dynamically
   int tile1;     // weight rows per register tile of one input row: 2, 4 or 8 (0: the build's default)
+  int chain;     // one input row of a K-quant / IQ4_XS weight: a panel's chunks one after another with
+                 // the partial sums in registers (1), or chunk by chunk through memory (0)
 };
 constexpr int TUNING_CLASSES = 3;  // 1 row (decode), 2-16 rows (verification), more (prefill)
 inline int tuning_class(int64_t T) { return T == 1 ? 0 : T <= 16 ? 1 : 2; }
@@ -903,10 +905,10 @@ constexpr int nn_for(int tt) {
 #endif
 }
 
-// acc[i][j] (8 floats at acc + (i*NP + j)*8) += rows i of x (chunks x[i]) . weight rows j (blocks
+// acc[i][j] (8 floats at acc + i*ldacc + j*8) += rows i of x (chunks x[i]) . weight rows j (blocks
 // at b[j]), over nblk blocks of the current chunk.
 template <class F, int TT, int NN>
-QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, bool first) {
+QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, bool first, int ldacc = NP * 8) {
   // A format whose two accumulators only shorten the dependency chains (LATENCY_SPLIT: the finish
   // adds them first) uses one where the tile has enough independent chains anyway.
   constexpr bool ONE_CHAIN = F::LATENCY_SPLIT && TT * NN >= 8;
@@ -1017,7 +1019,7 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     for (int i = 0; i < TT; ++i)
       QD_UNROLL
       for (int j = 0; j < NN; ++j) {
-        float* out = acc + (i * NP + j) * 8;
+        float* out = acc + i * ldacc + j * 8;
         const float* in = first && blk == 0 ? ZERO8 : out;  // a panel's first chunk starts from 0
         if constexpr (ONE_CHAIN) {
           const __m256i two[2] = {ia[i][j][0], _mm256_setzero_si256()};
@@ -1039,6 +1041,49 @@ __attribute__((noinline)) void tile_panel(const XChunk* x, const uint8_t* const*
   // GCC 12 (-O1 and up) wrongly summarizes some instances (32-blocks, TT <= 2) as writing no
   // memory and drops their calls; a memory clobber keeps its interprocedural analysis honest.
   __asm__ volatile("" ::: "memory");
+}
+
+// One input row against a whole panel, chunk after chunk (Tuning::chain): the NP rows' partial
+// sums stay in a local array (registers, where they fit) from the first chunk to the last instead
+// of going through acc at every chunk, and the loop runs once per panel instead of once per
+// chunk. Per chunk the same tiles in the same order as the chunk-by-chunk path (row_panel), each
+// (row, output) summing its blocks in order from zero: the same bits. Block k of weight row j is at
+// b[j] + k * bstride, the row's chunk k at x[k]; pf .. pf_end: the bytes to prefetch (l1: into L1,
+// else L2), spread evenly over the chunks as the chunk-by-chunk path spreads them.
+template <class F, int NN>
+__attribute__((noinline)) void row_panel_chain(const XChunk* x, const uint8_t* const* b, int64_t nchunks,
+                                               int64_t bstride, float* acc, const uint8_t* pf,
+                                               const uint8_t* pf_end, bool l1) {
+  static_assert(NP % NN == 0 && F::BS == CHUNK, "NN must divide NP; a chunk is one block per row");
+  const int64_t slice = ((pf_end - pf + nchunks - 1) / nchunks + 63) / 64 * 64;
+  alignas(32) float sums[NP][8] = {};
+  const uint8_t* q[NP];
+  for (int j = 0; j < NP; ++j) q[j] = b[j];
+  for (int64_t k = 0; k < nchunks; ++k) {
+    if (pf < pf_end) {
+      const uint8_t* e = std::min(pf + slice, pf_end);
+      if (l1)
+        for (; pf < e; pf += 64) _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
+      else
+        for (; pf < e; pf += 64) _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+    }
+    QD_UNROLL
+    for (int j = 0; j < NP; j += NN) tile<F, 1, NN>(x + k, q + j, 1, &sums[j][0], false, 8);
+    QD_UNROLL
+    for (int j = 0; j < NP; ++j) q[j] += bstride;
+  }
+  for (int j = 0; j < NP; ++j) _mm256_store_ps(acc + j * 8, _mm256_load_ps(sums[j]));
+  __asm__ volatile("" ::: "memory");  // (see tile_panel)
+}
+
+template <class F>
+void row_panel_chain(const XChunk* x, const uint8_t* const* b, int64_t nchunks, int64_t bstride, float* acc,
+                     const uint8_t* pf, const uint8_t* pf_end, bool l1, int tile1) {
+  switch (tile1) {
+    case 2: row_panel_chain<F, 2>(x, b, nchunks, bstride, acc, pf, pf_end, l1); break;
+    case 8: row_panel_chain<F, 8>(x, b, nchunks, bstride, acc, pf, pf_end, l1); break;
+    default: row_panel_chain<F, nn_for<F>(1)>(x, b, nchunks, bstride, acc, pf, pf_end, l1); break;
+  }
 }
 
 // One input row against the panel, tile1 weight rows per register tile (Tuning::tile1; 0: the
@@ -1083,20 +1128,31 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, const 
   const int64_t n0 = p * NP;
   const int nn = static_cast<int>(std::min<int64_t>(NP, g.N - n0));
   const uint8_t* base = g.W + n0 * g.row_bytes;
+  // prefetch 3 (the default): into L1 for 1-2 rows of a format with small steps (Q4_K, Q4_0: 1152
+  // bytes), else into L2 (measured on Zen 4: Q4_K 4 rows 15% faster, 1 row 8% slower with L2; Q8_0 /
+  // Q6_K 1 row ~2x / 10% slower with L1: their larger steps evict the panel being read). A panel
+  // longer than PF_L1_PANEL (the 1.5B's Q4_K ffn_down, K = 8960: 40 KB) goes to L2 too: prefetched a
+  // whole panel ahead it would leave L1 before use (21-26% faster there).
+  pf = pf && tune.prefetch != 0;
+  const bool l1 = tune.prefetch == 1 ||
+                  (tune.prefetch == 3 && T <= 2 && g.pf_step <= PF_L1_MAX && NP * g.row_bytes <= PF_L1_PANEL);
+  const uint8_t* pf_panel = g.W + (n0 + tune.ahead * NP) * g.row_bytes;  // (read only where pf)
+  const uint8_t* pf_end = g.W + std::min<int64_t>(g.N, n0 + (tune.ahead + 1) * NP) * g.row_bytes;
+  if (T == 1 && tune.chain && F::MODE == KL) {  // (the 32-block formats ran slower chained: Q8_0 0.76x)
+    const uint8_t* b[NP];  // rows past N repeat the last one; their results are dropped
+    for (int j = 0; j < NP; ++j) b[j] = base + std::min(j, nn - 1) * F::TS;
+    row_panel_chain<F>(xq, b, (g.K + CHUNK - 1) / CHUNK, nn * F::TS, acc, pf ? pf_panel : nullptr,
+                       pf ? pf_end : nullptr, l1, tune.tile1);
+    store_panel_row(acc, g.y + n0, nn, g.bias ? g.bias + n0 : nullptr);
+    return;
+  }
   for (int64_t t0 = 0; t0 < T; t0 += TB) {
     const int tb = static_cast<int>(std::min<int64_t>(TB, T - t0));
     for (int64_t c0 = 0; c0 < g.K; c0 += CHUNK) {
-      if (t0 == 0 && pf && tune.prefetch != 0) {
-        const uint8_t* q = g.W + (n0 + tune.ahead * NP) * g.row_bytes + c0 / CHUNK * g.pf_step;
-        const uint8_t* qe =
-            std::min(q + g.pf_step, g.W + std::min<int64_t>(g.N, n0 + (tune.ahead + 1) * NP) * g.row_bytes);
-        // prefetch 3 (the default): into L1 for 1-2 rows of a format with small steps (Q4_K, Q4_0:
-        // 1152 bytes), else into L2 (measured on Zen 4: Q4_K 4 rows 15% faster, 1 row 8% slower with
-        // L2; Q8_0 / Q6_K 1 row ~2x / 10% slower with L1: their larger steps evict the panel being
-        // read). A panel longer than PF_L1_PANEL (the 1.5B's Q4_K ffn_down, K = 8960: 40 KB) goes to
-        // L2 too: prefetched a whole panel ahead it would leave L1 before use (21-26% faster there).
-        if (tune.prefetch == 1 ||
-            (tune.prefetch == 3 && T <= 2 && g.pf_step <= PF_L1_MAX && NP * g.row_bytes <= PF_L1_PANEL))
+      if (t0 == 0 && pf) {
+        const uint8_t* q = pf_panel + c0 / CHUNK * g.pf_step;
+        const uint8_t* qe = std::min(q + g.pf_step, pf_end);
+        if (l1)
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
         else
           for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);

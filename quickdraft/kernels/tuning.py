@@ -9,7 +9,15 @@ the same bits, so batch invariance and lossless speculation hold whichever runs;
   small panels, else L2), ``ahead`` (how many panels ahead), ``runs`` (work items per thread) and
   ``tile1``, the register tile's shape for one input row (2, 4 or 8 weight rows at a time; 0: the
   build's default, 4): wider tiles load each activation vector once for more weight rows, narrower
-  ones keep fewer accumulators live; which wins depends on the format and the CPU.
+  ones keep fewer accumulators live; which wins depends on the format and the CPU; and ``chain``
+  (one input row of a K-quant or IQ4_XS weight: a panel's chunks run one after another with the
+  partial sums in registers, 1, the default, or chunk by chunk through memory, 0; measured on Zen 4,
+  plain decode of the 1.5B: Q4_K_M and Q3_K_M 1.05x, IQ4_XS 1.08x, Q5_K_M 1.17x faster chained; the
+  32-block formats always go chunk by chunk: Q8_0 ran 0.76x chained).
+
+The one-row race times the linears of a few layers spread over the model (enough to stream from
+memory, as decode does) weighted to the whole stack, plus the output head: a choice that helps the
+layers' format and hurts the head's is weighed as a decode step weighs them.
 
 Which is fastest depends on the CPU (cache sizes, prefetchers, memory latency) and the model's
 shapes, so at the first start of a model on a machine (and after a kernel build change) :func:`tune`
@@ -41,16 +49,18 @@ if TYPE_CHECKING:
 MAX_AGE_DAYS = 30
 FILE_NAME = "kernel_choices.json"
 MIN_WEIGHT_BYTES = 32 << 20  # smaller models keep the defaults: their passes are too short to time apart
-Setting = tuple[int, int, int, int]  # (prefetch, ahead, runs, tile1)
+Setting = tuple[int, int, int, int, int]  # (prefetch, ahead, runs, tile1, chain)
 CLASSES = (("1 row", 1), ("2-16 rows", 8), ("17+ rows", 64))  # (name, rows timed) per class 0, 1, 2
-DEFAULTS: tuple[Setting, ...] = ((3, 1, 2, 0), (3, 1, 4, 0), (3, 1, 4, 0))  # the kernels' own (ggml_cpu.cpp)
+DEFAULTS: tuple[Setting, ...] = ((3, 1, 2, 0, 1), (3, 1, 4, 0, 0), (3, 1, 4, 0, 0))  # the kernels' own (ggml_cpu.cpp)
 CANDIDATES: tuple[tuple[Setting, ...], ...] = (
-    ((2, 1, 2, 0), (1, 1, 2, 0), (0, 1, 2, 0), (3, 2, 2, 0), (2, 2, 2, 0), (3, 1, 4, 0), (3, 1, 1, 0)),
-    ((2, 2, 4, 0), (0, 1, 4, 0), (3, 1, 2, 0), (3, 1, 8, 0)),
-    ((0, 1, 4, 0), (3, 1, 8, 0)),
+    ((2, 1, 2, 0, 1), (1, 1, 2, 0, 1), (0, 1, 2, 0, 1), (3, 2, 2, 0, 1), (2, 2, 2, 0, 1), (3, 1, 4, 0, 1),
+     (3, 1, 1, 0, 1)),
+    ((2, 2, 4, 0, 0), (0, 1, 4, 0, 0), (3, 1, 2, 0, 0), (3, 1, 8, 0, 0)),
+    ((0, 1, 4, 0, 0), (3, 1, 8, 0, 0)),
 )
-# Raced second, on top of a class's chosen (prefetch, ahead, runs): the one-row tile shapes.
-TILE_CANDIDATES: tuple[tuple[int, ...], ...] = ((2, 8), (), ())
+# Raced second, on top of a class's chosen (prefetch, ahead, runs): the one-row (tile1, chain) shapes.
+SHAPE_CANDIDATES: tuple[tuple[tuple[int, int], ...], ...] = (((2, 1), (8, 1), (0, 0), (2, 0), (8, 0)), (), ())
+SAMPLED_LAYERS = 4  # the one-row race's layers (evenly spaced; the 1.5B's 4: 0.11 GB, beyond an L3)
 ROUNDS = 7  # per class; each candidate timed once per round, in rotated order
 MARGIN = 0.97  # a candidate must be at least 3% faster (min and median) to replace the default
 _PREFETCH = {0: "no prefetch", 1: "prefetch into L1", 2: "prefetch into L2", 3: "prefetch L1/L2"}
@@ -67,13 +77,14 @@ class Choice:
 
     def line(self) -> str:
         parts = []
-        for (name, _), setting, default in zip(CLASSES, self.settings, DEFAULTS, strict=True):
+        for cls, ((name, _), setting, default) in enumerate(zip(CLASSES, self.settings, DEFAULTS, strict=True)):
             if setting == default:
                 parts.append(f"{name}: default")
             else:
-                prefetch, ahead, runs, tile1 = setting
+                prefetch, ahead, runs, tile1, chain = setting
                 tile = f", {tile1}-row tiles" if tile1 else ""
-                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} runs/thread{tile}")
+                chained = "" if cls != 0 else ", chunks chained" if chain else ", chunk by chunk"  # (1 row only)
+                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} runs/thread{tile}{chained}")
         when = "measured now" if self.fresh else f"kept from {time.strftime('%Y-%m-%d', time.localtime(self.measured))}"
         return f"kernels: {self.isa} q8 GEMM; {'; '.join(parts)} ({when}; QUICKDRAFT_TUNE=0 keeps the defaults)"
 
@@ -84,52 +95,69 @@ def apply(mod: Any, choice: Choice) -> None:
         mod.set_tuning(cls, *setting)
 
 
-def _groups(model: nn.Module) -> list[list[GGMLLinear]]:
-    """The q8 linears of the first layer, grouped as the native stack calls them, and the head."""
+def _q8(m: object) -> TypeGuard[GGMLLinear]:
     from quickdraft.quant.ggml import GGMLLinear
 
-    def q8(m: object) -> TypeGuard[GGMLLinear]:
-        return isinstance(m, GGMLLinear) and m.activation_mode == "q8"
+    return isinstance(m, GGMLLinear) and m.activation_mode == "q8"
 
+
+@dataclass(frozen=True)
+class _Timed:
+    """What a race times: the q8 linears of some layers, grouped as the native stack calls them,
+    standing for ``scale`` times as many (all the layers), and the output head (None: not timed)."""
+
+    layer_groups: list[list[GGMLLinear]]
+    scale: float
+    head: GGMLLinear | None
+
+
+def _timed(model: nn.Module, layers: int, with_head: bool) -> _Timed | None:
+    """``layers`` layers evenly spaced over the model's stack (the first among them) and the head;
+    None where the model is not a decoder stack of the usual shape or none of it runs the q8 GEMM."""
     try:
-        layers = model.get_submodule("model.layers")
+        stack = model.get_submodule("model.layers")
     except AttributeError:  # not a decoder stack of the usual shape: nothing to time
-        return []
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return []
-    layer = layers[0]
+        return None
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        return None
+    picks = sorted({i * len(stack) // min(layers, len(stack)) for i in range(min(layers, len(stack)))})
     groups: list[list[GGMLLinear]] = []
-    seen: set[int] = set()
-    for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
-        found = [getattr(getattr(layer, sub, None), n, None) for sub in ("self_attn", "mlp") for n in names]
-        mods = [m for m in found if q8(m)]
-        if mods and len({m.in_features for m in mods}) == 1:
-            groups.append(mods)
-            seen |= {id(m) for m in mods}
-    groups += [[m] for m in layer.modules() if q8(m) and id(m) not in seen]
+    for layer in (stack[i] for i in picks):
+        seen: set[int] = set()
+        for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
+            found = [getattr(getattr(layer, sub, None), n, None) for sub in ("self_attn", "mlp") for n in names]
+            mods = [m for m in found if _q8(m)]
+            if mods and len({m.in_features for m in mods}) == 1:
+                groups.append(mods)
+                seen |= {id(m) for m in mods}
+        groups += [[m] for m in layer.modules() if _q8(m) and id(m) not in seen]
     head = getattr(model, "lm_head", None)
-    if q8(head):
-        groups.append([head])
-    return groups
+    timed_head = head if with_head and _q8(head) else None
+    if not groups and timed_head is None:
+        return None
+    return _Timed(groups, len(stack) / len(picks), timed_head)
 
 
-def _timer(model: nn.Module, rows: int, with_head: bool) -> Callable[[], float] | None:
-    """A function timing one round of the model's linears at ``rows`` rows (seconds)."""
+def _timer(model: nn.Module, rows: int, layers: int, with_head: bool) -> Callable[[], float] | None:
+    """A function timing one round of the model's linears at ``rows`` rows: the sampled layers'
+    seconds times their scale (the whole stack's share of a pass) plus the head's."""
     from quickdraft.quant.ggml import ggml_linear_multi
 
-    groups = _groups(model)
-    if not with_head:
-        groups = groups[:-1] if groups and groups[-1][0] is getattr(model, "lm_head", None) else groups
-    if not groups:
+    timed = _timed(model, layers, with_head)
+    if timed is None:
         return None
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(rows, g[0].in_features, generator=gen) for g in groups]
+    inputs = [torch.randn(rows, g[0].in_features, generator=gen) for g in timed.layer_groups]
+    head_input = None if timed.head is None else torch.randn(rows, timed.head.in_features, generator=gen)
 
     def run() -> float:
         t0 = time.perf_counter()
-        for g, x in zip(groups, inputs, strict=True):
+        for g, x in zip(timed.layer_groups, inputs, strict=True):
             ggml_linear_multi(g, x)
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if timed.head is not None and head_input is not None:
+            ggml_linear_multi([timed.head], head_input)
+        return (t1 - t0) * timed.scale + time.perf_counter() - t1
 
     run()  # repacks into lanes on the first call
     return run
@@ -163,7 +191,8 @@ def measure(model: nn.Module, isas: list[str], say: Callable[[str], None]) -> Ch
     mod = active_kernels()
     assert mod is not None
     say("choosing this machine's kernels for the model (first start with this kernel build) ...")
-    timers = [_timer(model, rows, with_head=cls < 2) for cls, (_, rows) in enumerate(CLASSES)]
+    timers = [_timer(model, rows, SAMPLED_LAYERS if cls == 0 else 1, with_head=cls < 2)
+              for cls, (_, rows) in enumerate(CLASSES)]
     for cls, default in enumerate(DEFAULTS):
         mod.set_tuning(cls, *default)
     isa = isas[0]
@@ -183,8 +212,8 @@ def measure(model: nn.Module, isas: list[str], say: Callable[[str], None]) -> Ch
             continue
         times = _race(mod, cls, timer, [default, *candidates])
         chosen = _better(times, default)
-        if TILE_CANDIDATES[cls]:  # the tile shapes, on top of the chosen data movement
-            shapes = [chosen, *((chosen[0], chosen[1], chosen[2], t) for t in TILE_CANDIDATES[cls])]
+        if SHAPE_CANDIDATES[cls]:  # the tile shapes, on top of the chosen data movement
+            shapes = [chosen, *((*chosen[:3], tile1, chain) for tile1, chain in SHAPE_CANDIDATES[cls])]
             chosen = _better(_race(mod, cls, timer, shapes), chosen)
         mod.set_tuning(cls, *chosen)
         settings.append(chosen)
@@ -207,7 +236,8 @@ def tuning_key(path: Path) -> str:
 
 def _valid(s: tuple[int, ...]) -> bool:
     """A setting the kernels take (ggml_cpu.cpp set_tuning's ranges)."""
-    return len(s) == 4 and 0 <= s[0] <= 3 and 1 <= s[1] <= 4 and 1 <= s[2] <= 16 and s[3] in (0, 2, 4, 8)
+    return (len(s) == 5 and 0 <= s[0] <= 3 and 1 <= s[1] <= 4 and 1 <= s[2] <= 16 and s[3] in (0, 2, 4, 8)
+            and s[4] in (0, 1))
 
 
 def _kept(entry: object, isas: list[str]) -> Choice | None:
@@ -232,8 +262,8 @@ def tune(model: nn.Module, model_path: Path, say: Callable[[str], None], path: P
     from quickdraft.roofline import weight_read_bytes
 
     mod = active_kernels()
-    if (mod is None or os.environ.get("QUICKDRAFT_TUNE", "").strip() in ("0", "off", "no") or not _groups(model)
-            or weight_read_bytes(model) < MIN_WEIGHT_BYTES):
+    if (mod is None or os.environ.get("QUICKDRAFT_TUNE", "").strip() in ("0", "off", "no")
+            or _timed(model, 1, with_head=True) is None or weight_read_bytes(model) < MIN_WEIGHT_BYTES):
         return None
     forced = kernels.env_isa()
     isas = [forced] if forced else ["avx2", *(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else [])]
