@@ -87,7 +87,7 @@ def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, res
     kept = tuning.tune(model, model_path, said.append, store)
     assert kept is not None and not kept.fresh and not said
     assert [mod.tuning(c) for c in range(3)] == [(0, 2, 3, 8, 1), (2, 2, 4, 0, 0), (3, 1, 8, 0, 0)]
-    assert "no prefetch, 2 panel(s) ahead, 3 runs/thread, 8-row tiles, chunks chained" in kept.line()
+    assert "no prefetch, 2 panel(s) ahead, 3 ranges/thread, 8-row tiles, chunks chained" in kept.line()
     assert "kept from" in kept.line()
     # an entry of an older build (3 or 4 numbers per class) or out of the kernels' ranges: measured again
     for old in ([[0, 2, 3], [2, 2, 4], [3, 1, 8]], [[0, 2, 3, 8], [2, 2, 4, 0], [3, 1, 8, 0]],

@@ -22,7 +22,8 @@ struct Job {
 struct Tuning {
   int prefetch;  // the next panels: 0 not prefetched, 1 into L1, 2 into L2, 3 L1 for 1-2 rows of small panels, else L2
   int ahead;     // how many panels ahead (1..4)
-  int runs;      // work items per thread (1..16): runs of consecutive panels, handed out dynamically
+  int runs;      // ranges of consecutive panels per thread (1..16), each taken from its front by its
+                 // thread, then from its back by a thread that has finished its own
   int tile1;     // weight rows per register tile of one input row: 2, 4 or 8 (0: the build's default)
   int chain;     // one input row of a K-quant / IQ4_XS weight: a panel's chunks one after another with
                  // the partial sums in registers (1), or chunk by chunk through memory (0)
@@ -1124,7 +1125,7 @@ using Job = qd_abi::Job;
 // job's mode, chunk-major ([K/256][T] chunks). Prefetches panel p + tune.ahead if pf. The panel's
 // blocks are interleaved (PANELS above): one sequential stream of weight bytes.
 template <class F>
-void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, const Tuning& tune, float* acc) {
+void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, const Tuning& tune, float* acc) {
   const int64_t n0 = p * NP;
   const int nn = static_cast<int>(std::min<int64_t>(NP, g.N - n0));
   const uint8_t* base = g.W + n0 * g.row_bytes;
@@ -1133,11 +1134,11 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, bool pf, const 
   // Q6_K 1 row ~2x / 10% slower with L1: their larger steps evict the panel being read). A panel
   // longer than PF_L1_PANEL (the 1.5B's Q4_K ffn_down, K = 8960: 40 KB) goes to L2 too: prefetched a
   // whole panel ahead it would leave L1 before use (21-26% faster there).
-  pf = pf && tune.prefetch != 0;
+  const bool pf = pf_p >= 0 && tune.prefetch != 0;
   const bool l1 = tune.prefetch == 1 ||
                   (tune.prefetch == 3 && T <= 2 && g.pf_step <= PF_L1_MAX && NP * g.row_bytes <= PF_L1_PANEL);
-  const uint8_t* pf_panel = g.W + (n0 + tune.ahead * NP) * g.row_bytes;  // (read only where pf)
-  const uint8_t* pf_end = g.W + std::min<int64_t>(g.N, n0 + (tune.ahead + 1) * NP) * g.row_bytes;
+  const uint8_t* pf_panel = g.W + pf_p * NP * g.row_bytes;  // (read only where pf)
+  const uint8_t* pf_end = g.W + std::min<int64_t>(g.N, (pf_p + 1) * NP) * g.row_bytes;
   if (T == 1 && tune.chain && F::MODE == KL) {  // (the 32-block formats ran slower chained: Q8_0 0.76x)
     const uint8_t* b[NP];  // rows past N repeat the last one; their results are dropped
     for (int j = 0; j < NP; ++j) b[j] = base + std::min(j, nn - 1) * F::TS;
@@ -1233,21 +1234,47 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   XChunk* base = reinterpret_cast<XChunk*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) / 64 * 64);
   XChunk* xq[NMODES] = {};
   for (int k = 0; k < nmodes; ++k) xq[modes[k]] = base + k * per_mode;
-  // Work items: runs of consecutive panels of one job, tune.runs per thread over the whole call. A
-  // run's first panel starts cold (its prefetch chain begins there): on Zen 4, with 8 runs per
-  // thread the 1.5B's linears took 13% longer at 1 row, and 1 run per thread was no faster than 2.
+  // Work: the panels of all jobs in order (job i's panel p is number first[i] + p), cut into
+  // tune.runs contiguous ranges per thread. A thread takes its own ranges' panels from the front,
+  // one at a time (one sequential stream of weights; each panel prefetches the one tune.ahead
+  // further on), then helps where the most is left, taking that range's panels from its back
+  // (prefetching backwards): the threads finish within a panel of each other, however unevenly
+  // the machine runs them. (Items of whole runs handed out dynamically left a thread waiting for up
+  // to a run at every call: on Zen 4 the main thread spent 12% of a decode step at the barrier, 1.5%
+  // now; the 1.5B Q4_K_M's decode step 1.06-1.12x faster, 8 and 64 rows and Q8_0 the same.)
+  // A range's first panel starts cold (its prefetch chain begins there): on Zen 4, with 8 runs per
+  // thread the 1.5B's linears took 13% longer at 1 row. Which thread computes a panel never
+  // changes its arithmetic.
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-  const int64_t per_thread = std::max(1, tune.runs);
-  const int64_t run = std::max<int64_t>(1, (panels + per_thread * nt - 1) / (per_thread * nt));
-  struct Item {
-    int job;
-    int64_t p0, p1;
+  const int64_t nranges = std::min<int64_t>(panels, int64_t{nt} * std::max(1, tune.runs));
+  std::vector<int64_t> first(njobs + 1, 0), range_end(nranges);
+  for (int i = 0; i < njobs; ++i) first[i + 1] = first[i] + jobs[i].npanels;
+  struct alignas(64) Left {  // a range's next panel from the front << 32 | the end of what is left (own line)
+    std::atomic<uint64_t> w;
   };
-  std::vector<Item> items;
-  for (int i = 0; i < njobs; ++i)
-    for (int64_t p0 = 0; p0 < jobs[i].npanels; p0 += run)
-      items.push_back({i, p0, std::min(jobs[i].npanels, p0 + run)});
-  const int64_t nitems = static_cast<int64_t>(items.size());
+  std::vector<Left> left(nranges);
+  for (int64_t r = 0; r < nranges; ++r) {
+    const uint64_t lo = panels * r / nranges, hi = panels * (r + 1) / nranges;
+    range_end[r] = static_cast<int64_t>(hi);
+    left[r].w.store(lo << 32 | hi, std::memory_order_relaxed);
+  }
+  // takes range r's next GRAB panels from the front (fewer where fewer are left) or its last one
+  // (!front) into q .. q + n - 1; false if none is left
+  constexpr uint64_t GRAB = 4;  // per atomic step (a panel alone is ~0.2 us of a decode step's work)
+  auto take = [&](int64_t r, bool front, int64_t& q, int64_t& n) {
+    uint64_t w = left[r].w.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t fr = w >> 32, bk = w & 0xffffffffu;
+      if (fr >= bk) return false;
+      const uint64_t k = front ? std::min(GRAB, bk - fr) : 1;
+      if (left[r].w.compare_exchange_weak(w, front ? (fr + k) << 32 | bk : fr << 32 | (bk - 1),
+                                          std::memory_order_relaxed)) {
+        q = static_cast<int64_t>(front ? fr : bk - 1);
+        n = static_cast<int64_t>(k);
+        return true;
+      }
+    }
+  };
   const int64_t nq = nmodes * per_mode;
 #pragma omp parallel num_threads(nt)
   {
@@ -1263,16 +1290,31 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
         quantize_chunk<B32>(x + t * K + c0, n, xq[B32][ct]);
     }
     alignas(64) float acc[TB * NP * 8];
-    // Handed out dynamically (the machine may be shared); which thread computes a panel never
-    // changes its arithmetic.
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t it = 0; it < nitems; ++it) {
-      const Item& w = items[it];
-      const Job& g = jobs[w.job];
-      dispatch(g.qtype, [&](auto f) {
-        using F = decltype(f);
-        for (int64_t p = w.p0; p < w.p1; ++p) panel<F>(g, xq[g.mode], T, p, p + tune.ahead < w.p1, tune, acc);
-      });
+    // panels q .. q + n - 1 in order (forwards) or panel q (backwards), each prefetching the panel
+    // tune.ahead further on in its job where that is before hi (forwards) or the one as far back
+    auto compute = [&](int64_t q, int64_t n, bool forwards, int64_t hi) {
+      int i = static_cast<int>(std::upper_bound(first.begin(), first.end(), q) - first.begin()) - 1;
+      for (const int64_t e = q + n; q < e; ++q) {
+        while (q >= first[i + 1]) ++i;
+        const Job& g = jobs[i];
+        const int64_t qf = forwards ? q + tune.ahead : q - tune.ahead;
+        const int64_t pf = qf >= first[i] && qf < std::min(hi, first[i + 1]) ? qf - first[i] : -1;
+        dispatch(g.qtype, [&](auto f) { panel<decltype(f)>(g, xq[g.mode], T, q - first[i], pf, tune, acc); });
+      }
+    };
+    const int me = omp_get_thread_num(), team = omp_get_num_threads();
+    int64_t q = 0, n = 0;
+    for (int64_t r = nranges * me / team; r < nranges * (me + 1) / team; ++r)
+      while (take(r, true, q, n)) compute(q, n, true, range_end[r]);
+    for (;;) {  // then the back of the range with the most left
+      int64_t most = 0, r = -1;
+      for (int64_t k = 0; k < nranges; ++k) {
+        const uint64_t w = left[k].w.load(std::memory_order_relaxed);
+        const int64_t m = static_cast<int64_t>(w & 0xffffffffu) - static_cast<int64_t>(w >> 32);
+        if (m > most) most = m, r = k;
+      }
+      if (r < 0) break;
+      while (take(r, false, q, n)) compute(q, n, false, panels);
     }
   }
 }

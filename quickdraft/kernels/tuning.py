@@ -6,7 +6,7 @@ the same bits, so batch invariance and lossless speculation hold whichever runs;
 * the instruction set: the AVX2 build or the AVX-512 VNNI one (where the CPU runs it);
 * per class of row counts (1 row: decode; 2-16 rows: verification; more: prefill):
   ``prefetch`` (0: the next panels are not prefetched, 1: into L1, 2: into L2, 3: L1 for 1-2 rows of
-  small panels, else L2), ``ahead`` (how many panels ahead), ``runs`` (work items per thread) and
+  small panels, else L2), ``ahead`` (how many panels ahead), ``runs`` (ranges of panels per thread) and
   ``tile1``, the register tile's shape for one input row (2, 4 or 8 weight rows at a time; 0: the
   build's default, 4): wider tiles load each activation vector once for more weight rows, narrower
   ones keep fewer accumulators live; which wins depends on the format and the CPU; and ``chain``
@@ -84,7 +84,7 @@ class Choice:
                 prefetch, ahead, runs, tile1, chain = setting
                 tile = f", {tile1}-row tiles" if tile1 else ""
                 chained = "" if cls != 0 else ", chunks chained" if chain else ", chunk by chunk"  # (1 row only)
-                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} runs/thread{tile}{chained}")
+                parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} ranges/thread{tile}{chained}")
         when = "measured now" if self.fresh else f"kept from {time.strftime('%Y-%m-%d', time.localtime(self.measured))}"
         return f"kernels: {self.isa} q8 GEMM; {'; '.join(parts)} ({when}; QUICKDRAFT_TUNE=0 keeps the defaults)"
 
