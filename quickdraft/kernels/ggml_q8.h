@@ -1122,8 +1122,8 @@ void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* a
 using Job = qd_abi::Job;
 
 // Panel p (output rows 8p .. 8p+7) of job g for all T rows; xq: the activations quantized for the
-// job's mode, chunk-major ([K/256][T] chunks). Prefetches panel p + tune.ahead if pf. The panel's
-// blocks are interleaved (PANELS above): one sequential stream of weight bytes.
+// job's mode, chunk-major ([K/256][T] chunks). Prefetches the job's panel pf_p (none if < 0) as it
+// goes. The panel's blocks are interleaved (PANELS above): one sequential stream of weight bytes.
 template <class F>
 void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, const Tuning& tune, float* acc) {
   const int64_t n0 = p * NP;
@@ -1236,7 +1236,7 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   for (int k = 0; k < nmodes; ++k) xq[modes[k]] = base + k * per_mode;
   // Work: the panels of all jobs in order (job i's panel p is number first[i] + p), cut into
   // tune.runs contiguous ranges per thread. A thread takes its own ranges' panels from the front,
-  // one at a time (one sequential stream of weights; each panel prefetches the one tune.ahead
+  // a few at a time (one sequential stream of weights; each panel prefetches the one tune.ahead
   // further on), then helps where the most is left, taking that range's panels from its back
   // (prefetching backwards): the threads finish within a panel of each other, however unevenly
   // the machine runs them. (Items of whole runs handed out dynamically left a thread waiting for up
