@@ -116,3 +116,25 @@ def test_better_needs_a_clear_margin() -> None:
     assert tuning._better({"a": base["a"], "b": base["b"]}, "a") == "a"  # within noise: the default
     assert tuning._better(base, "a") == "c"
     assert np.isclose(min(base["c"]), 0.9)
+
+
+def test_one_row_race_covers_layers_spread_over_the_stack_weighted_to_all() -> None:
+    """The race's linears: n layers evenly spaced from the first (all of them where n is larger),
+    their time scaled to the whole stack; the head only where asked."""
+    model = load_model(str(DATA / "tiny-qwen2-256-Q5_K.gguf"), max_context=64).model
+    stack = model.get_submodule("model.layers")
+    assert len(stack) >= 2
+
+    def layer_of(m: GGMLLinear) -> int:
+        return next(i for i, layer in enumerate(stack) if any(m is x for x in layer.modules()))
+
+    first = tuning._timed(model, 1, with_head=True)
+    assert first is not None and first.scale == len(stack)
+    assert {layer_of(m) for g in first.layer_groups for m in g} == {0}
+    assert first.head is model.lm_head  # (a q8 head: timed once, unscaled)
+    every = tuning._timed(model, len(stack) + 3, with_head=False)
+    assert every is not None and every.scale == 1 and every.head is None
+    q8 = {id(m) for m in stack.modules() if isinstance(m, GGMLLinear) and m.activation_mode == "q8"}
+    assert sorted(id(m) for g in every.layer_groups for m in g) == sorted(q8)
+    timer = tuning._timer(model, 1, len(stack), with_head=True)
+    assert timer is not None and timer() > 0

@@ -15,14 +15,13 @@ the same bits, so batch invariance and lossless speculation hold whichever runs;
   plain decode of the 1.5B: Q4_K_M and Q3_K_M 1.05x, IQ4_XS 1.08x, Q5_K_M 1.17x faster chained; the
   32-block formats always go chunk by chunk: Q8_0 ran 0.76x chained).
 
-The one-row race times the linears of a few layers spread over the model (enough to stream from
-memory, as decode does) weighted to the whole stack, plus the output head: a choice that helps the
-layers' format and hurts the head's is weighed as a decode step weighs them.
-
 Which is fastest depends on the CPU (cache sizes, prefetchers, memory latency) and the model's
 shapes, so at the first start of a model on a machine (and after a kernel build change) :func:`tune`
-times the candidates on the model's own weights (the linears of its first layer and the output head,
-q8 activations of the real width), alternating candidates round by round on a shared machine, and
+times the candidates on the model's own weights (q8 activations of the real width): for one row the
+linears of four layers spread over the stack (enough to stream from memory, as decode does), their
+time weighted to all the layers, plus the output head, so a choice that helps the layers' format and
+hurts the head's is weighed as a decode step weighs them; for more rows the first layer's linears
+(plus the head for 2-16 rows). It alternates candidates round by round on a shared machine, and
 keeps a setting only where it beats the default by more than its noise (min and median both at
 least 3% faster). The choice is kept in ``<cache>/kernel_choices.json`` per (CPU, model file, kernel
 build, threads) for 30 days and installed at every later start. ``QUICKDRAFT_ISA`` still forces
