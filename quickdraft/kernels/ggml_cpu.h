@@ -619,6 +619,14 @@ struct Gemm {
   int64_t T, K, N, row_bytes, pf_step;
 };
 
+// Prefetches the cache lines of [q, end) into L1 (l1) or L2.
+QD_INLINE void prefetch_lines(const uint8_t* q, const uint8_t* end, bool l1) {
+  if (l1)
+    for (; q < end; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
+  else
+    for (; q < end; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
+}
+
 // Panel p (output rows 8p .. 8p+7) for all T input rows; prefetches panel p + 1 if `pf`.
 // acc: TB * NP * 8 floats, wbuf: NP * CHUNK floats (both 64-byte aligned, per thread).
 template <class F>
@@ -634,10 +642,7 @@ void panel(const Gemm& g, int64_t p, bool pf, float* acc, float* wbuf) {
       if (t0 == 0 && pf) {  // the 8-row interleave defeats the hardware prefetchers: fetch the next panel
         const uint8_t* q = g.W + (n0 + NP) * g.row_bytes + c0 / CHUNK * g.pf_step;
         const uint8_t* qe = std::min(q + g.pf_step, g.W + std::min<int64_t>(g.N, n0 + 2 * NP) * g.row_bytes);
-        if (g.T == 1)  // consumed fast: straight into L1; slower consumers: into L2
-          for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
-        else
-          for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
+        prefetch_lines(q, qe, g.T == 1);  // consumed fast: straight into L1; slower consumers: into L2
       }
       const int64_t nblk = std::min<int64_t>(CHUNK, g.K - c0) / F::BS;
       const uint8_t* b[NP];

@@ -5,6 +5,8 @@
 
 #include "ggml_cpu.h"
 
+#include <type_traits>
+
 #ifndef QD_Q8_JOB
 #define QD_Q8_JOB
 namespace qd_abi {
@@ -1047,7 +1049,7 @@ __attribute__((noinline)) void tile_panel(const XChunk* x, const uint8_t* const*
 // One input row against a whole panel, chunk after chunk (Tuning::chain): the NP rows' partial
 // sums stay in a local array (registers, where they fit) from the first chunk to the last instead
 // of going through acc at every chunk, and the loop runs once per panel instead of once per
-// chunk. Per chunk the same tiles in the same order as the chunk-by-chunk path (row_panel), each
+// chunk. Per chunk the same tiles in the same order as the chunk-by-chunk path (rows_panel), each
 // (row, output) summing its blocks in order from zero: the same bits. Block k of weight row j is at
 // b[j] + k * bstride, the row's chunk k at x[k]; pf .. pf_end: the bytes to prefetch (l1: into L1,
 // else L2), spread evenly over the chunks as the chunk-by-chunk path spreads them.
@@ -1062,11 +1064,8 @@ __attribute__((noinline)) void row_panel_chain(const XChunk* x, const uint8_t* c
   for (int j = 0; j < NP; ++j) q[j] = b[j];
   for (int64_t k = 0; k < nchunks; ++k) {
     if (pf < pf_end) {
-      const uint8_t* e = std::min(pf + slice, pf_end);
-      if (l1)
-        for (; pf < e; pf += 64) _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
-      else
-        for (; pf < e; pf += 64) _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+      prefetch_lines(pf, std::min(pf + slice, pf_end), l1);
+      pf += slice;
     }
     QD_UNROLL
     for (int j = 0; j < NP; j += NN) tile<F, 1, NN>(x + k, q + j, 1, &sums[j][0], false, 8);
@@ -1077,26 +1076,16 @@ __attribute__((noinline)) void row_panel_chain(const XChunk* x, const uint8_t* c
   __asm__ volatile("" ::: "memory");  // (see tile_panel)
 }
 
-template <class F>
-void row_panel_chain(const XChunk* x, const uint8_t* const* b, int64_t nchunks, int64_t bstride, float* acc,
-                     const uint8_t* pf, const uint8_t* pf_end, bool l1, int tile1) {
+// Calls fn(std::integral_constant<int, NN>) for tile1 (Tuning::tile1: 2, 4 or 8 weight rows per
+// one-row register tile; 0: the build's default). The tile shape changes which registers hold which
+// sums, never a sum: the integer dot products are exact and each (row, output) keeps its one float
+// sequence.
+template <class F, class Fn>
+QD_INLINE void with_tile1(int tile1, Fn&& fn) {
   switch (tile1) {
-    case 2: row_panel_chain<F, 2>(x, b, nchunks, bstride, acc, pf, pf_end, l1); break;
-    case 8: row_panel_chain<F, 8>(x, b, nchunks, bstride, acc, pf, pf_end, l1); break;
-    default: row_panel_chain<F, nn_for<F>(1)>(x, b, nchunks, bstride, acc, pf, pf_end, l1); break;
-  }
-}
-
-// One input row against the panel, tile1 weight rows per register tile (Tuning::tile1; 0: the
-// build's default). The tile shape changes which registers hold which sums, never a sum: the
-// integer dot products are exact and each (row, output) keeps its one float sequence.
-template <class F>
-void row_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* acc, bool first, int tile1) {
-  switch (tile1) {
-    case 2: tile_panel<F, 1, 2>(x, b, nblk, acc, first); break;
-    case 4: tile_panel<F, 1, 4>(x, b, nblk, acc, first); break;
-    case 8: tile_panel<F, 1, 8>(x, b, nblk, acc, first); break;
-    default: tile_panel<F, 1>(x, b, nblk, acc, first); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    default: fn(std::integral_constant<int, nn_for<F>(1)>{}); break;  // (4 on both builds)
   }
 }
 
@@ -1108,7 +1097,9 @@ void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* a
   for (; t + TT_MAX <= tb; t += TT_MAX) tile_panel<F, TT_MAX>(x + t, b, nblk, acc + t * NP * 8, first);
   switch (tb - t) {
     case 0: break;
-    case 1: row_panel<F>(x + t, b, nblk, acc + t * NP * 8, first, tile1); break;
+    case 1:
+      with_tile1<F>(tile1, [&](auto nn) { tile_panel<F, 1, decltype(nn)::value>(x + t, b, nblk, acc + t * NP * 8, first); });
+      break;
     case 2: tile_panel<F, 2>(x + t, b, nblk, acc + t * NP * 8, first); break;
     case 3: tile_panel<F, 3>(x + t, b, nblk, acc + t * NP * 8, first); break;
     case 4: tile_panel<F, 4>(x + t, b, nblk, acc + t * NP * 8, first); break;
@@ -1142,8 +1133,10 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, c
   if (T == 1 && tune.chain && F::MODE == KL) {  // (the 32-block formats ran slower chained: Q8_0 0.76x)
     const uint8_t* b[NP];  // rows past N repeat the last one; their results are dropped
     for (int j = 0; j < NP; ++j) b[j] = base + std::min(j, nn - 1) * F::TS;
-    row_panel_chain<F>(xq, b, (g.K + CHUNK - 1) / CHUNK, nn * F::TS, acc, pf ? pf_panel : nullptr,
-                       pf ? pf_end : nullptr, l1, tune.tile1);
+    with_tile1<F>(tune.tile1, [&](auto nt) {
+      row_panel_chain<F, decltype(nt)::value>(xq, b, (g.K + CHUNK - 1) / CHUNK, nn * F::TS, acc,
+                                              pf ? pf_panel : nullptr, pf ? pf_end : nullptr, l1);
+    });
     store_panel_row(acc, g.y + n0, nn, g.bias ? g.bias + n0 : nullptr);
     return;
   }
@@ -1152,11 +1145,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, c
     for (int64_t c0 = 0; c0 < g.K; c0 += CHUNK) {
       if (t0 == 0 && pf) {
         const uint8_t* q = pf_panel + c0 / CHUNK * g.pf_step;
-        const uint8_t* qe = std::min(q + g.pf_step, pf_end);
-        if (l1)
-          for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
-        else
-          for (; q < qe; q += 64) _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
+        prefetch_lines(q, std::min(q + g.pf_step, pf_end), l1);
       }
       const int64_t nblk = 1;  // one (super-)block of 256 per row and step (a partial last one padded)
       const uint8_t* b[NP];  // rows past N repeat the last one; their results are dropped
@@ -1247,7 +1236,7 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   // changes its arithmetic.
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
   const int64_t nranges = std::min<int64_t>(panels, int64_t{nt} * std::max(1, tune.runs));
-  std::vector<int64_t> first(njobs + 1, 0), range_end(nranges);
+  std::vector<int64_t> first(njobs + 1, 0);
   for (int i = 0; i < njobs; ++i) first[i + 1] = first[i] + jobs[i].npanels;
   struct alignas(64) Left {  // a range's next panel from the front << 32 | the end of what is left (own line)
     std::atomic<uint64_t> w;
@@ -1255,7 +1244,6 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
   std::vector<Left> left(nranges);
   for (int64_t r = 0; r < nranges; ++r) {
     const uint64_t lo = panels * r / nranges, hi = panels * (r + 1) / nranges;
-    range_end[r] = static_cast<int64_t>(hi);
     left[r].w.store(lo << 32 | hi, std::memory_order_relaxed);
   }
   // takes range r's next GRAB panels from the front (fewer where fewer are left) or its last one
@@ -1305,7 +1293,7 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
     const int me = omp_get_thread_num(), team = omp_get_num_threads();
     int64_t q = 0, n = 0;
     for (int64_t r = nranges * me / team; r < nranges * (me + 1) / team; ++r)
-      while (take(r, true, q, n)) compute(q, n, true, range_end[r]);
+      while (take(r, true, q, n)) compute(q, n, true, panels * (r + 1) / nranges);  // (the range's end)
     for (;;) {  // then the back of the range with the most left
       int64_t most = 0, r = -1;
       for (int64_t k = 0; k < nranges; ++k) {
