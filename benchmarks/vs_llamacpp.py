@@ -14,7 +14,9 @@ machine (thermal, other processes) hits both alike:
     minimum) of --repeats turns per engine and T, the engines alternating turn by turn (A B, then
     B A, ...). The cost of T rows relative to 1 row is
     what speculative decoding lives on, so it is reported too.
-(b) Greedy decoding: up to --tokens new tokens for each of the first --prompts HumanEval prompts,
+(b) Greedy decoding: up to --tokens new tokens for each of the first --prompts HumanEval prompts
+    (--dataset: another prompt set, e.g. code-qa: a 1k-6k-token module and a question, for
+    decoding after a long context),
     rendered with the model's chat template exactly as ``quickdraft bench`` does; the same prompt
     token ids go to both engines, and generation stops on quickdraft's end-of-turn ids in both.
     tokens/s = output tokens after the first / time after the first token (RequestStats'
@@ -775,6 +777,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"first N HumanEval prompts (default: {FULL.prompts})",
     )
     ap.add_argument(
+        "--dataset",
+        default="humaneval",
+        help="prompt set of the decoding runs, any name `quickdraft bench` takes (default: humaneval; "
+        "code-qa: long inputs)",
+    )
+    ap.add_argument(
         "--tokens",
         type=int,
         default=None,
@@ -926,7 +934,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             f"warning: load average {load_start[0]:.1f} on {os.cpu_count()} CPUs: other processes "
             "are computing, so both engines' numbers will be noisy and low"
         )
-    dataset = load_dataset("humaneval", max(args.prompts, 1))
+    dataset = load_dataset(args.dataset, max(args.prompts, 1))
     items = dataset.items[: args.prompts]
     t0 = time.time()
     results = []
@@ -958,6 +966,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "context": args.context,
             "prefill": args.prefill,
+            "dataset": args.dataset,
             "methods": args.method_list,
             "ignore_eos": args.ignore_eos,
             "max_context": args.max_context,

@@ -717,6 +717,28 @@ def test_linear_multi_equals_separate_calls_bitwise():
 
 
 @requires_kernels
+def test_linear_multi_residual_is_the_sum_torch_makes_bitwise():
+    """A residual added as the GEMM stores (the native stack's x + o(att), x + down(h)) gives the
+    bits of adding it after: with and without a bias, N not a multiple of the panel, 1 and many rows."""
+    mods, _ = _multi_layers()
+    mod = kernels.load()
+    assert mod is not None
+    for m in mods:
+        spec = (m._set_layout(True), m.raw, 512, m.bias)
+        for t in (1, 3, 9):
+            x = torch.randn(t, 512) * 2
+            res = torch.randn(t, m.out_features) * 100  # large: the rounding of the sum shows
+            y = mod.linear_multi(x, [spec], residual=res)[0]
+            assert torch.equal(y, res + mod.linear_multi(x, [spec])[0]), (m.qtype.name, t)
+    x = torch.randn(2, 512)
+    specs = [(m._set_layout(True), m.raw, 512, m.bias) for m in mods[:2]]
+    with pytest.raises(RuntimeError, match="one weight"):
+        mod.linear_multi(x, specs, residual=torch.zeros(2, mods[0].out_features))
+    with pytest.raises(RuntimeError, match=r"residual must be .*\[T, out_features\]"):
+        mod.linear_multi(x, specs[:1], residual=torch.zeros(3, mods[0].out_features))
+
+
+@requires_kernels
 def test_linear_multi_falls_back_to_separate_calls():
     mods, _ = _multi_layers()
     x = torch.randn(4, 512)

@@ -5,7 +5,8 @@
 // 28-layer model. DecoderStack holds the layers' weights (GGML blocks as the q8 GEMM takes them,
 // norm weights, RoPE tables) and runs every layer of a decode or verification pass from C++, with
 // the Python path's own functions (the q8 GEMM, rms_norm, rope, attend) and the same torch ops for
-// the rest (silu, *, +): bitwise the Python path's results (tests/test_native_stack.py).
+// the rest (silu, *; the residual adds are made by the GEMM as it stores, the one rounding torch's +
+// makes): bitwise the Python path's results (tests/test_native_stack.py).
 
 #include <torch/extension.h>
 
@@ -73,9 +74,12 @@ class DecoderStack {
       k = qd_api::rope(k, cos_, sin_, positions);
       const auto att = qd_api::attend(q, k_cache.select(0, i), v_cache.select(0, i), start, window_, scale_, slots,
                                       offsets, k, v);
-      x = x + qd_api::linear_multi(att, {o})[0];
+      x = qd_api::linear_multi(att, {o}, x)[0];  // x + o(att), added as it is stored
       const auto gu = qd_api::linear_multi(qd_api::rms_norm(x, post_norm, eps_), gate_up);
-      x = x + qd_api::linear_multi(at::silu(gu[0]) * gu[1], {down})[0];
+      torch::Tensor h = gu[0];  // silu(gate) * up, in place: the same elementwise ops, no new tensors
+      at::silu_(h);
+      h.mul_(gu[1]);
+      x = qd_api::linear_multi(h, {down}, x)[0];
     }
     if (wants(num_layers())) captured.push_back(x);
     return {x, captured};

@@ -208,9 +208,10 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> set_tuning(int64_t cls, 
 using WeightSpec = qd_api::WeightSpec;
 
 // y_i = x @ dequant(W_i).T (+ b_i) for several weights sharing x, with x quantized to int8 once per
-// mode and all panels of all weights computed in one parallel region.
+// mode and all panels of all weights computed in one parallel region. residual (one weight only):
+// y = residual + (x @ W.T + b), added as each output is stored (the bits of torch's residual + y).
 std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
-                                        int64_t nthreads) {
+                                        int64_t nthreads, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CPU float32 tensor [T, in_features]");
   const int64_t T = x.size(0), K = x.size(1);
@@ -239,6 +240,14 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
     }
     ys.push_back(torch::empty({T, g.N}, x.options()));
     g.y = ys.back().data_ptr<float>();
+    if (residual.has_value() && residual->defined()) {
+      TORCH_CHECK(weights.size() == 1, "a residual goes with one weight");
+      TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == torch::kFloat32 &&
+                      residual->is_contiguous() && residual->dim() == 2 && residual->size(0) == T &&
+                      residual->size(1) == g.N,
+                  "residual must be a contiguous CPU float32 tensor [T, out_features]");
+      g.residual = residual->data_ptr<float>();
+    }
     if (g.N > 0) jobs.push_back(g);
   }
   if (T == 0 || jobs.empty()) return ys;
@@ -256,7 +265,7 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
 torch::Tensor linear_q8(int64_t qtype, const torch::Tensor& raw, const torch::Tensor& x, int64_t K,
                         const c10::optional<torch::Tensor>& bias, int64_t nthreads) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, in_features]");
-  return linear_multi(x, {WeightSpec{qtype, raw, K, bias}}, nthreads)[0];
+  return linear_multi(x, {WeightSpec{qtype, raw, K, bias}}, nthreads, c10::nullopt)[0];
 }
 
 // The lane layout's row and block sizes of GGML type qtype for rows of K values (checked).
@@ -379,8 +388,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
 
 }  // namespace
 
-std::vector<torch::Tensor> qd_api::linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights) {
-  return ::linear_multi(x, weights, 0);
+std::vector<torch::Tensor> qd_api::linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
+                                                const c10::optional<torch::Tensor>& residual) {
+  return ::linear_multi(x, weights, 0, residual);
 }
 
 void register_ops(pybind11::module& m);     // ops_cpu.cpp: fused RMSNorm, RoPE, attention
@@ -405,8 +415,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("x"), pybind11::arg("in_features"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("num_threads") = 0);
   m.def("linear_multi", &linear_multi,
-        "[x @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)], q8 activations, one call",
-        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0);
+        "[x @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)], q8 activations, one call; "
+        "residual [T, out_features] (one weight): residual + x @ W.T (+ b)",
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0,
+        pybind11::arg("residual") = pybind11::none());
   m.def("repack_lanes", &repack_lanes,
         "a copy of GGML blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
         pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("to_lanes"),

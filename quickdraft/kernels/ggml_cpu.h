@@ -428,17 +428,23 @@ QD_INLINE __m256 hsum8x8(const float* ar) {
   return _mm256_hadd_ps(r01, r23);  // outputs 0..3 (low lane), 4..7 (high lane)
 }
 
-// Stores the 8 outputs of one panel row (acc ar) at yr: the first nn of them, plus bias if any.
-QD_INLINE void store_panel_row(const float* ar, float* yr, int nn, const float* bias) {
+// Stores the 8 outputs of one panel row (acc ar) at yr: the first nn of them, plus bias if any,
+// added to res if any (a residual stream: res + (x . w + b), the one rounding torch's `res + y`
+// makes after the product, so the same bits).
+QD_INLINE void store_panel_row(const float* ar, float* yr, int nn, const float* bias, const float* res = nullptr) {
   __m256 v = hsum8x8(ar);
   if (nn == NP) {
     if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    if (res) v = _mm256_add_ps(_mm256_loadu_ps(res), v);
     _mm256_storeu_ps(yr, v);
     return;
   }
   alignas(32) float tmp[8];
   _mm256_store_ps(tmp, v);
-  for (int j = 0; j < nn; ++j) yr[j] = bias ? tmp[j] + bias[j] : tmp[j];
+  for (int j = 0; j < nn; ++j) {
+    const float y = bias ? tmp[j] + bias[j] : tmp[j];
+    yr[j] = res ? res[j] + y : y;
+  }
 }
 
 // Weight rows per register tile of TT input rows (measured: enough independent accumulators to

@@ -15,6 +15,7 @@ struct Job {
   int64_t qtype;
   const uint8_t* W;
   const float* bias;
+  const float* residual;  // [T, N] added to y (y = residual + x W^T + b), or null
   float* y;
   int64_t N, K, row_bytes, pf_step, npanels;
   int mode;  // XMode of the activations it reads
@@ -1137,7 +1138,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, c
       row_panel_chain<F, decltype(nt)::value>(xq, b, (g.K + CHUNK - 1) / CHUNK, nn * F::TS, acc,
                                               pf ? pf_panel : nullptr, pf ? pf_end : nullptr, l1);
     });
-    store_panel_row(acc, g.y + n0, nn, g.bias ? g.bias + n0 : nullptr);
+    store_panel_row(acc, g.y + n0, nn, g.bias ? g.bias + n0 : nullptr, g.residual ? g.residual + n0 : nullptr);
     return;
   }
   for (int64_t t0 = 0; t0 < T; t0 += TB) {
@@ -1153,7 +1154,8 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, c
       rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb, c0 == 0, tune.tile1);
     }
     for (int t = 0; t < tb; ++t)
-      store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr);
+      store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr,
+                      g.residual ? g.residual + (t0 + t) * g.N + n0 : nullptr);
   }
 }
 

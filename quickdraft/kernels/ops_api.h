@@ -28,8 +28,10 @@ class ReleaseGil {
 // (kernel type id, raw blocks [N, row_bytes], in_features, bias [N] or None)
 using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
 
-// ggml_cpu.cpp: [x @ W_i.T (+ b_i)], q8 activations, one parallel region
-std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights);
+// ggml_cpu.cpp: [x @ W_i.T (+ b_i)], q8 activations, one parallel region; with a residual (one
+// weight): residual + x @ W.T (+ b), the same bits as adding it after
+std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
+                                        const c10::optional<torch::Tensor>& residual = c10::nullopt);
 
 // ops_cpu.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
