@@ -13,7 +13,11 @@ machine (thermal, other processes) hits both alike:
     the median of 3 timed: passes straight after a pause run slower on these VMs); median (and
     minimum) of --repeats turns per engine and T, the engines alternating turn by turn (A B, then
     B A, ...). The cost of T rows relative to 1 row is
-    what speculative decoding lives on, so it is reported too.
+    what speculative decoding lives on, so it is reported too, with each pass's floor on this
+    machine: its bytes over the read bandwidth or its int8 products over the GEMM's integer dot
+    rate, whichever is more (both probed before and after the passes; quickdraft.roofline). A
+    1-row pass sits on the memory floor, an 8-row one on the compute floor: their ratio bounds
+    T(8) / T(1) on the machine, whatever the kernels.
 (b) Greedy decoding: up to --tokens new tokens for each of the first --prompts HumanEval prompts
     (--dataset: another prompt set, e.g. code-qa: a 1k-6k-token module and a question, for
     decoding after a long context),
@@ -259,9 +263,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def pass_table(seconds: dict[str, dict[int, list[float]]]) -> list[dict[str, Any]]:
+def pass_table(
+    seconds: dict[str, dict[int, list[float]]], floors: dict[int, float] | None = None
+) -> list[dict[str, Any]]:
     """One row per row count: median/min ms of each engine, quickdraft/llama.cpp time ratio, and
-    each engine's cost of T rows relative to its own 1-row pass (the smallest T measured)."""
+    each engine's cost of T rows relative to its own 1-row pass (the smallest T measured); with
+    ``floors`` (seconds per row count: the roofline's least time on this machine), the floor and
+    the fraction of it quickdraft's median reaches."""
     lc, qd = seconds[LLAMACPP], seconds["quickdraft"]
     rows = sorted(lc)
     base_lc, base_qd = median(lc[rows[0]]), median(qd[rows[0]])
@@ -278,6 +286,8 @@ def pass_table(seconds: dict[str, dict[int, list[float]]]) -> list[dict[str, Any
                 "time_ratio": _round(ratio(m_qd, m_lc), 3),  # < 1: quickdraft is faster
                 "llama_cpp_rel_first": _round(ratio(m_lc, base_lc), 2),
                 "quickdraft_rel_first": _round(ratio(m_qd, base_qd), 2),
+                "floor_ms": _ms(floors[r]) if floors and r in floors else None,
+                "quickdraft_of_floor": _round(ratio(floors[r], m_qd), 2) if floors and r in floors else None,
             }
         )
     return out
@@ -380,15 +390,24 @@ def markdown_tables(result: dict[str, Any]) -> list[str]:
             "(median ms; a time ratio < 1 means quickdraft is faster):",
             "",
             f"| T | llama.cpp ms | quickdraft ms | quickdraft / llama.cpp | llama.cpp T / T={first} "
-            f"| quickdraft T / T={first} |",
-            "|---|---|---|---|---|---|",
+            f"| quickdraft T / T={first} | floor ms | quickdraft at floor |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for p in table:
             lines.append(
                 f"| {p['rows']} | {_fmt(p['llama_cpp_ms'], 1)} | {_fmt(p['quickdraft_ms'], 1)} | "
                 f"{_fmt(p['time_ratio'])} | {_fmt(p['llama_cpp_rel_first'])} | "
-                f"{_fmt(p['quickdraft_rel_first'])} |"
+                f"{_fmt(p['quickdraft_rel_first'])} | {_fmt(p.get('floor_ms'), 1)} | "
+                f"{_fmt(p.get('quickdraft_of_floor'))} |"
             )
+        if (roof := sweep.get("roofline")) is not None:
+            lines += [
+                "",
+                f"floor = max(bytes read / read bandwidth, rows x int8 products / int8 dot rate), probed before "
+                f"and after the passes: {_fmt(roof['read_bandwidth_gbs'], 1)} GB/s, "
+                f"{_fmt(roof['int8_dot_rate_g'], 0)} G products/s ({roof['isa']}); "
+                f"{roof['int8_products_per_row'] / 1e9:.2f} G products per row",
+            ]
         lines.append("")
     if result.get("prefill"):
         lines += [
@@ -626,6 +645,37 @@ def quickdraft_record(
     )
 
 
+def pass_probe() -> tuple[float, float] | None:
+    """(read bandwidth GB/s, int8 dot rate products/s) of this machine now; None without kernels."""
+    from quickdraft.roofline import int8_dot_rate, read_bandwidth
+
+    bw, rate = read_bandwidth(), int8_dot_rate()
+    return None if bw is None or rate is None else (bw, rate)
+
+
+def pass_roofline(
+    model: Any, context: int, rows: Sequence[int], probes: Sequence[tuple[float, float] | None]
+) -> dict[str, Any] | None:
+    """The passes' floors on this machine from the probes' means (None where a probe is missing or
+    the model is not in q8 blocks on the CPU)."""
+    from quickdraft.kernels import isa
+    from quickdraft.roofline import int8_products, pass_floor
+
+    taken = [p for p in probes if p is not None]
+    if len(taken) != len(probes) or not taken or int8_products(model) == 0:
+        return None
+    bw = statistics.fmean(p[0] for p in taken)
+    rate = statistics.fmean(p[1] for p in taken)
+    return {
+        "read_bandwidth_gbs": bw,
+        "int8_dot_rate_g": rate / 1e9,
+        "probes": [list(p) for p in taken],
+        "isa": isa(),
+        "int8_products_per_row": int8_products(model),
+        "floor_s": {str(r): pass_floor(model, r, context, bw, rate) for r in rows},
+    }
+
+
 def measure_decode(
     worker: LlamaCppWorker,
     contenders: Sequence[Any],
@@ -706,10 +756,14 @@ def measure_model(
     ids = pass_tokens(target.tokenizer, max(args.context) + max(args.row_list))
     for context in args.context:  # --context N [N ...]: the pass costs at each context length
         say(f"[{spec}] forward passes: rows {args.row_list} after {context} tokens, {args.repeats} repeats")
+        probes = [pass_probe()]
         seconds = measure_passes(
             worker, target.model, ids, context, args.row_list, args.repeats, args.settle
         )
-        sweep.append({"context_tokens": context, "table": pass_table(seconds),
+        probes.append(pass_probe())
+        roof = pass_roofline(target.model, context, args.row_list, probes)
+        floors = {int(r): s for r, s in roof["floor_s"].items()} if roof else None
+        sweep.append({"context_tokens": context, "table": pass_table(seconds, floors), "roofline": roof,
                       "seconds": {e: {str(r): v for r, v in d.items()} for e, d in seconds.items()}})
     prefill = []
     if args.prefill:

@@ -743,13 +743,20 @@ def test_vs_llamacpp_pass_table_and_decode_summary() -> None:
     assert auto["tokens_per_second_median"] == 20.0
     assert auto["ratio_to_llama_cpp"] == pytest.approx(20 / 15, abs=1e-3)
     assert auto["paired_ratio_median"] == pytest.approx((1.0 + 1.5) / 2)
-    sweep = [{"context_tokens": 128, "table": [one, four]}, {"context_tokens": 4096, "table": [one]}]
+    assert one["floor_ms"] is None and one["quickdraft_of_floor"] is None  # no roofline probed
+    one_f, four_f = vs.pass_table(seconds, {1: 0.03, 4: 0.045})
+    assert (one_f["floor_ms"], one_f["quickdraft_of_floor"]) == (30.0, 0.75)  # 30 ms floor, 40 ms median
+    assert (four_f["floor_ms"], four_f["quickdraft_of_floor"]) == (45.0, 0.75)
+    roof = {"read_bandwidth_gbs": 35.2, "int8_dot_rate_g": 194.0, "isa": "avx512vnni", "int8_products_per_row": 1.5e9}
+    sweep = [{"context_tokens": 128, "table": [one_f, four_f], "roofline": roof},
+             {"context_tokens": 4096, "table": [one]}]
     md = "\n".join(
         vs.markdown_tables(
             {"passes": sweep[0], "passes_by_context": sweep, "decode": {"summary": [lc, none, auto]}}
         )
     )
-    assert "| 4 | 200.0 | 60.0 | 0.30 |" in md
+    assert "| 4 | 200.0 | 60.0 | 0.30 | 3.33 | 1.50 | 45.0 | 0.75 |" in md and "| 1 | 60.0 | 40.0 | 0.67 | 1.00 | 1.00 | - | - |" in md
+    assert "35.2 GB/s, 194 G products/s (avx512vnni); 1.50 G products per row" in md
     assert "after 128 context tokens" in md and "after 4096 context tokens" in md  # a --context sweep
     assert "| quickdraft auto | 20.0 |" in md and "| llama.cpp | 15.0 |" in md
 

@@ -10,7 +10,15 @@ from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.loading.load import load_model
 from quickdraft.quant.ggml import GGMLLinear, kernels_active
-from quickdraft.roofline import kv_read_bytes, read_bandwidth, roofline, weight_read_bytes
+from quickdraft.roofline import (
+    int8_dot_rate,
+    int8_products,
+    kv_read_bytes,
+    pass_floor,
+    read_bandwidth,
+    roofline,
+    weight_read_bytes,
+)
 
 
 def test_weight_and_kv_bytes_of_a_dense_model(tmp_path: Path) -> None:
@@ -57,3 +65,42 @@ def test_bandwidth_probe_measures_now() -> None:
         gbs = read_bandwidth(threads)
         assert gbs is not None and 0.1 < gbs < 10_000
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.skipif(not kernels_active(), reason="the native kernels are not built here")
+def test_pass_floor_is_memory_bound_at_one_row_and_compute_bound_at_many(tmp_path: Path) -> None:
+    """A row's int8 products: in x out of every q8 linear, a tied head once, the table's lookups
+    none. The floor of a pass: bytes over bandwidth or products over the dot rate, the larger."""
+    folder = make_tiny_hf_model(tmp_path, "qwen2", tie_word_embeddings=True)
+    path = hf_to_gguf(folder, tmp_path / "t.gguf", {"weight": "Q8_0"})
+    loaded = load_model(str(path), max_context=64)
+    model, c = loaded.model, loaded.config
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size
+    products = c.num_hidden_layers * per_layer + c.vocab_size * h
+    assert int8_products(model) == products
+    nbytes = weight_read_bytes(model) + kv_read_bytes(model, 10)
+    assert pass_floor(model, 1, 10, 2.0, 1e15) == pytest.approx(nbytes / 2e9)  # memory-bound
+    assert pass_floor(model, 8, 10, 1e6, 1e6) == pytest.approx(8 * products / 1e6)  # compute-bound
+    with pytest.raises(ValueError, match="rows >= 1"):
+        pass_floor(model, 0, 10, 2.0, 1e9)
+    loaded_f32 = load_model(str(path), dtype="float32", max_context=64)
+    assert int8_products(loaded_f32.model) == 0  # no int8 products without q8 blocks
+
+
+@pytest.mark.skipif(not kernels_active(), reason="the native kernels are not built here")
+def test_int8_dot_rate_measures_the_build_in_use() -> None:
+    from quickdraft.quant.ggml import active_kernels
+
+    mod = active_kernels()
+    assert mod is not None
+    before = mod.isa()
+    try:
+        for name in {"avx2", before}:
+            mod.set_isa(name)
+            rate = int8_dot_rate(1)
+            assert rate is not None and 1e9 < rate < 1e13, (name, rate)
+    finally:
+        mod.set_isa(before)
+    with pytest.raises(RuntimeError, match="at least 1"):
+        mod.int8_dot_rate(0)

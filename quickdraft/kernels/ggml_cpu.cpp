@@ -262,6 +262,15 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
   return ys;
 }
 
+// int8 products per second of the q8 GEMM's dot step in the build in use (q8::dot_rate)
+double int8_dot_rate(int64_t nthreads) {
+  TORCH_CHECK(nthreads >= 1, "int8_dot_rate: threads must be at least 1");
+  const int nt = static_cast<int>(nthreads);
+  pybind11::gil_scoped_release nogil;
+  if (g_isa.load(std::memory_order_relaxed) == ISA_AVX512VNNI) return qd_abi::dot_rate_avx512vnni(nt);
+  return q8::dot_rate(nt);
+}
+
 torch::Tensor linear_q8(int64_t qtype, const torch::Tensor& raw, const torch::Tensor& x, int64_t K,
                         const c10::optional<torch::Tensor>& bias, int64_t nthreads) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, in_features]");
@@ -441,6 +450,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto t = tuning_of(static_cast<int>(cls));
     return std::make_tuple(t.prefetch, t.ahead, t.runs, t.tile1, t.chain);
   }, "the q8 GEMM's (prefetch, ahead, runs, tile1, chain) for a class of row counts", pybind11::arg("rows_class"));
+  m.def("int8_dot_rate", &int8_dot_rate,
+        "int8 products per second of the q8 GEMM's integer dot step (the build in use), num_threads threads",
+        pybind11::arg("num_threads"));
   m.def("set_isa", &set_isa, "select the q8 GEMM build ('auto', 'avx2', 'avx512vnni'); returns the previous",
         pybind11::arg("name"));
 }

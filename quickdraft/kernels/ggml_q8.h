@@ -36,6 +36,7 @@ inline int tuning_class(int64_t T) { return T == 1 ? 0 : T <= 16 ? 1 : 2; }
 // The q8 GEMM of the AVX-512 VNNI build (ggml_q8_avx512.cpp).
 void gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads,
                            const Tuning& tune);
+double dot_rate_avx512vnni(int nthreads);  // q8::dot_rate of that build
 }  // namespace qd_abi
 #endif
 
@@ -1307,6 +1308,45 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
       while (take(r, false, q, n)) compute(q, n, false, panels);
     }
   }
+}
+
+// The tiles' integer dot step alone, as fast as this build runs it: int8 products per second of
+// nthreads threads (each 12 independent accumulators, no loads: the instruction's throughput).
+// VNNI: dpbusd; AVX2: maddubs + an int16 add (the cheapest step of the AVX2 tiles, where int16
+// pair sums fit). No GEMM can multiply its weights by its rows faster than this: a pass of T rows
+// takes at least T x (weights) / rate (the compute roofline beside the memory one).
+inline double dot_rate(int nthreads) {
+  constexpr int NACC = 12;
+  constexpr int64_t ITERS = int64_t{1} << 21;  // x 12 steps x 32 products per thread: ~8 ms at 3 GHz
+  double best = 0.0;
+  int64_t keep = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    int64_t sink = 0;
+    const double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(nthreads) reduction(+ : sink)
+    {
+      __m256i acc[NACC];
+      for (int a = 0; a < NACC; ++a) acc[a] = _mm256_set1_epi32(a);
+      __m256i w = _mm256_set1_epi8(static_cast<char>(3 + omp_get_thread_num())), xv = _mm256_set1_epi8(5);
+      __asm__("" : QD_ACC_REG(w), QD_ACC_REG(xv));  // unknown values: nothing folds
+      for (int64_t it = 0; it < ITERS; ++it) {
+        QD_UNROLL
+        for (int a = 0; a < NACC; ++a) {
+#ifdef QD_VNNI
+          acc[a] = _mm256_dpbusd_epi32(acc[a], w, xv);
+#else
+          acc[a] = _mm256_add_epi16(acc[a], _mm256_maddubs_epi16(w, xv));
+#endif
+          __asm__("" : QD_ACC_REG(acc[a]));
+        }
+      }
+      for (int a = 0; a < NACC; ++a) sink += _mm256_extract_epi32(acc[a], 0);
+    }
+    const double dt = omp_get_wtime() - t0;
+    best = std::max(best, static_cast<double>(nthreads) * ITERS * NACC * 32 / dt);
+    keep += sink;
+  }
+  return keep == -1 ? 0.0 : best;  // (keep: the sums are used)
 }
 
 // Quantizes x [T, K] in the given mode into chunks ([K/256][T], chunk-major); for tests.

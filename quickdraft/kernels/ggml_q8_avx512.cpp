@@ -28,3 +28,4 @@ void qd_abi::gemm_multi_avx512vnni(const float* x, int64_t T, int64_t K, Job* jo
                                    const Tuning& tune) {
   qd_avx512vnni::q8::gemm_multi(x, T, K, jobs, njobs, nthreads, tune);
 }
+double qd_abi::dot_rate_avx512vnni(int nthreads) { return qd_avx512vnni::q8::dot_rate(nthreads); }
