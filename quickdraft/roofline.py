@@ -1,4 +1,6 @@
-"""The decode roofline: how close a 1-row pass comes to this machine's memory bandwidth.
+"""The decode roofline: how close a 1-row pass comes to this machine's memory bandwidth; and the
+floor of a pass of any row count, which is its bytes over that bandwidth or its int8 products over
+the q8 GEMM's integer dot rate (:func:`int8_dot_rate`), whichever is more (:func:`pass_floor`).
 
 A plain decode step reads every weight of the model once (the output head included; of the
 embedding table only one row) plus the keys and values of the context. Its time cannot be less
