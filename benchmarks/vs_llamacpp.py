@@ -17,7 +17,7 @@ machine (thermal, other processes) hits both alike:
     machine: its bytes over the read bandwidth or its int8 products over the GEMM's integer dot
     rate, whichever is more (both probed before and after the passes; quickdraft.roofline). A
     1-row pass sits on the memory floor, an 8-row one on the compute floor: their ratio bounds
-    T(8) / T(1) on the machine, whatever the kernels.
+    T(8) / T(1) on the machine for any kernel built on the same dot instructions.
 (b) Greedy decoding: up to --tokens new tokens for each of the first --prompts HumanEval prompts
     (--dataset: another prompt set, e.g. code-qa: a 1k-6k-token module and a question, for
     decoding after a long context),
