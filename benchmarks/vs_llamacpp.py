@@ -662,7 +662,8 @@ def pass_roofline(
     from quickdraft.roofline import int8_products, pass_floor
 
     taken = [p for p in probes if p is not None]
-    if len(taken) != len(probes) or not taken or int8_products(model) == 0:
+    products = int8_products(model)
+    if len(taken) != len(probes) or not taken or products == 0:
         return None
     bw = statistics.fmean(p[0] for p in taken)
     rate = statistics.fmean(p[1] for p in taken)
@@ -671,7 +672,7 @@ def pass_roofline(
         "int8_dot_rate_g": rate / 1e9,
         "probes": [list(p) for p in taken],
         "isa": isa(),
-        "int8_products_per_row": int8_products(model),
+        "int8_products_per_row": products,
         "floor_s": {str(r): pass_floor(model, r, context, bw, rate) for r in rows},
     }
 

@@ -1114,6 +1114,13 @@ void rows_panel(const XChunk* x, const uint8_t* const* b, int64_t nblk, float* a
 
 using Job = qd_abi::Job;
 
+// Stores input row t's 8 panel outputs (acc ar) of job g's panel starting at output n0 (nn of them),
+// with the job's bias and residual where it has them.
+QD_INLINE void store_job_row(const Job& g, const float* ar, int64_t t, int64_t n0, int nn) {
+  store_panel_row(ar, g.y + t * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr,
+                  g.residual ? g.residual + t * g.N + n0 : nullptr);
+}
+
 // Panel p (output rows 8p .. 8p+7) of job g for all T rows; xq: the activations quantized for the
 // job's mode, chunk-major ([K/256][T] chunks). Prefetches the job's panel pf_p (none if < 0) as it
 // goes. The panel's blocks are interleaved (PANELS above): one sequential stream of weight bytes.
@@ -1139,7 +1146,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, c
       row_panel_chain<F, decltype(nt)::value>(xq, b, (g.K + CHUNK - 1) / CHUNK, nn * F::TS, acc,
                                               pf ? pf_panel : nullptr, pf ? pf_end : nullptr, l1);
     });
-    store_panel_row(acc, g.y + n0, nn, g.bias ? g.bias + n0 : nullptr, g.residual ? g.residual + n0 : nullptr);
+    store_job_row(g, acc, 0, n0, nn);
     return;
   }
   for (int64_t t0 = 0; t0 < T; t0 += TB) {
@@ -1154,9 +1161,7 @@ void panel(const Job& g, const XChunk* xq, int64_t T, int64_t p, int64_t pf_p, c
       for (int j = 0; j < NP; ++j) b[j] = base + (c0 / F::BS * nn + std::min(j, nn - 1)) * F::TS;
       rows_panel<F>(xq + c0 / CHUNK * T + t0, b, nblk, acc, tb, c0 == 0, tune.tile1);
     }
-    for (int t = 0; t < tb; ++t)
-      store_panel_row(acc + t * NP * 8, g.y + (t0 + t) * g.N + n0, nn, g.bias ? g.bias + n0 : nullptr,
-                      g.residual ? g.residual + (t0 + t) * g.N + n0 : nullptr);
+    for (int t = 0; t < tb; ++t) store_job_row(g, acc + t * NP * 8, t0 + t, n0, nn);
   }
 }
 
