@@ -31,15 +31,15 @@ PROBE_BYTES = 256 << 20  # far beyond any L3 of the machines this runs on
 PROBE_REPEATS = 4  # the best of: every other one with software prefetch
 
 
-def weight_read_bytes(model: nn.Module) -> int:
+def weight_read_bytes(model: CausalLM) -> int:
     """Bytes of weights one decode pass reads: every weight tensor of the model once (shared ones
     once: a tied table is read whole as the output head), except embedding tables, of which a pass
     reads one row. Mixture-of-Experts layers count all their experts."""
     from quickdraft.models.layers import QuantEmbedding
     from quickdraft.quant.ggml import GGMLLinear
 
-    head = getattr(model, "lm_head", None)
-    head_ptrs = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]} if head is not None else set()
+    head = model.lm_head
+    head_ptrs = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]}
     tables: set[int] = set()
     for m in model.modules():
         if isinstance(m, QuantEmbedding):
@@ -78,13 +78,13 @@ def read_bandwidth(threads: int | None = None) -> float | None:
     return float(mod.read_bandwidth(PROBE_BYTES, threads or torch.get_num_threads(), PROBE_REPEATS))
 
 
-def int8_products(model: nn.Module) -> int:
+def int8_products(model: CausalLM) -> int:
     """int8 x int8 products one row of a pass makes: in x out features of every quantized linear in
     q8 mode (the output head included; embedding tables are looked up, not multiplied)."""
     from quickdraft.models.layers import QuantEmbedding
     from quickdraft.quant.ggml import GGMLLinear
 
-    head = getattr(model, "lm_head", None)
+    head = model.lm_head
     tables = {id(m.linear) for m in model.modules() if isinstance(m, QuantEmbedding)}
     return sum(m.in_features * m.out_features for m in model.modules()  # (each once; a tied head too)
                if isinstance(m, GGMLLinear) and m.activation_mode == "q8" and (id(m) not in tables or m is head))

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args, add_sampling_args, info, load_llm, sampling_params
 from quickdraft.cli.generate import format_stats
 from quickdraft.errors import QuickdraftError
+
+if TYPE_CHECKING:
+    from quickdraft.api import LLM
+    from quickdraft.engine import StepOutput
+    from quickdraft.sampling import SamplingParams
 
 HELP = "commands: /reset clears the history, /exit (or Ctrl-D) quits"
 
@@ -50,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": answer})
 
 
-def _answer(llm, history: list[dict[str, str]], params) -> str:  # type: ignore[no-untyped-def]
-    parts, step = [], None
+def _answer(llm: LLM, history: list[dict[str, str]], params: SamplingParams) -> str:
+    parts: list[str] = []
+    step: StepOutput | None = None
     try:
         for step in llm.stream_chat(history, params):
             parts.append(step.text)

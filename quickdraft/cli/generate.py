@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args, add_sampling_args, info, load_llm, sampling_params
 from quickdraft.errors import QuickdraftError
+
+if TYPE_CHECKING:
+    from quickdraft.engine import RequestStats
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_stats(stats, finish_reason: str | None) -> str:  # type: ignore[no-untyped-def]
+def format_stats(stats: RequestStats, finish_reason: str | None) -> str:
     line = (f"[{stats.output_tokens} tokens, {stats.tokens_per_second:.1f} tokens/s, "
             f"first token {stats.ttft:.2f} s, prompt {stats.prompt_tokens} tokens "
             f"({stats.cached_tokens} cached), finish: {finish_reason}")

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from quickdraft.cli.common import add_model_args, info, load_llm
 from quickdraft.roofline import roofline
 from quickdraft.sampling import SamplingParams, probs_from_logits, process_logits, sample_at
+
+if TYPE_CHECKING:
+    from quickdraft.api import LLM
+    from quickdraft.speculative.base import Drafter
 
 PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, then a version with memoization.",
@@ -42,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         info("--draft none: nothing to test; pick --draft auto, ngram or a draft model")
         return 1
     for _label, d, _k in _drafters(llm):
-        if getattr(d, "variant", ""):  # an EAGLE-3 head: which of the published variants it runs
+        if d.variant:  # an EAGLE-3 head: which of the published variants it runs
             print(f"drafter {d.name}: head variant: {d.variant}", flush=True)
     prompts = args.prompt or list(PROMPTS)
     ok = all([_greedy_check(llm, p, args.max_tokens) for p in prompts])
@@ -52,15 +57,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _drafters(llm):  # type: ignore[no-untyped-def]
+def _drafters(llm: LLM) -> list[tuple[str, Drafter, int]]:
     """(label, drafter, k): the configured one, then each underlying drafter at a fixed k = 4."""
+    assert llm.drafter is not None  # (run() returns first without one)
     out = [(f"{llm.drafter.name} (k={llm.num_draft})", llm.drafter, llm.num_draft)]
     for part in llm.drafter.parts():
         out.append((f"{part.name} (k=4)", part, 4))
     return out
 
 
-def _greedy_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no-untyped-def]
+def _greedy_check(llm: LLM, prompt: str, max_tokens: int) -> bool:
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     plain_steps = list(llm.engine.generate(ids, params))
@@ -72,7 +78,7 @@ def _greedy_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no
     return _each_drafter_matches(llm, ids, params, plain, "greedy")
 
 
-def _each_drafter_matches(llm, ids: list[int], params: SamplingParams, plain: list[int], what: str) -> bool:  # type: ignore[no-untyped-def]
+def _each_drafter_matches(llm: LLM, ids: list[int], params: SamplingParams, plain: list[int], what: str) -> bool:
     """Every drafter's output for ``ids`` equals ``plain``, token for token; one line each."""
     ok = True
     for label, drafter, k in _drafters(llm):
@@ -91,7 +97,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _seeded_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no-untyped-def]
+def _seeded_check(llm: LLM, prompt: str, max_tokens: int) -> bool:
     """Seeded sampling: every drafter's answer is plain sampling's, token for token."""
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=0.8, top_k=40, seed=1234, max_tokens=max_tokens, ignore_eos=True)
@@ -99,7 +105,7 @@ def _seeded_check(llm, prompt: str, max_tokens: int) -> bool:  # type: ignore[no
     return _each_drafter_matches(llm, ids, params, plain, "seeded")
 
 
-def _distribution_check(llm, prompt: str, trials: int) -> bool:  # type: ignore[no-untyped-def]
+def _distribution_check(llm: LLM, prompt: str, trials: int) -> bool:
     """The position-keyed draw follows p: the first token drawn at ``trials`` positions (each with
     its own random numbers) against the real p, next to torch's own sampler."""
     params = SamplingParams(temperature=0.8, top_k=40, max_tokens=2)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from quickdraft.models.causal_lm import CausalLM
     from quickdraft.quant.ggml import GGMLLinear
 
 MAX_AGE_DAYS = 30
@@ -110,7 +111,7 @@ class _Timed:
     head: GGMLLinear | None
 
 
-def _timed(model: nn.Module, layers: int, with_head: bool) -> _Timed | None:
+def _timed(model: CausalLM, layers: int, with_head: bool) -> _Timed | None:
     """``layers`` layers evenly spaced over the model's stack (the first among them) and the head;
     None where the model is not a decoder stack of the usual shape or none of it runs the q8 GEMM."""
     try:
@@ -130,14 +131,13 @@ def _timed(model: nn.Module, layers: int, with_head: bool) -> _Timed | None:
                 groups.append(mods)
                 seen |= {id(m) for m in mods}
         groups += [[m] for m in layer.modules() if _q8(m) and id(m) not in seen]
-    head = getattr(model, "lm_head", None)
-    timed_head = head if with_head and _q8(head) else None
+    timed_head = model.lm_head if with_head and _q8(model.lm_head) else None
     if not groups and timed_head is None:
         return None
     return _Timed(groups, len(stack) / len(picks), timed_head)
 
 
-def _timer(model: nn.Module, rows: int, layers: int, with_head: bool) -> Callable[[], float] | None:
+def _timer(model: CausalLM, rows: int, layers: int, with_head: bool) -> Callable[[], float] | None:
     """A function timing one round of the model's linears at ``rows`` rows: the sampled layers'
     seconds times their scale (the whole stack's share of a pass) plus the head's."""
     from quickdraft.quant.ggml import ggml_linear_multi
@@ -183,7 +183,7 @@ def _better(times: dict[Any, list[float]], default: Any) -> Any:
     return best if b[0] <= MARGIN * d[0] and b[1] <= MARGIN * d[1] else default
 
 
-def measure(model: nn.Module, isas: list[str], say: Callable[[str], None]) -> Choice:
+def measure(model: CausalLM, isas: list[str], say: Callable[[str], None]) -> Choice:
     """Time the candidates on ``model``'s weights and return the fastest clear choice."""
     from quickdraft.quant.ggml import active_kernels
 
@@ -253,7 +253,7 @@ def _kept(entry: object, isas: list[str]) -> Choice | None:
     return Choice(isa, settings, measured)  # type: ignore[arg-type]
 
 
-def tune(model: nn.Module, model_path: Path, say: Callable[[str], None], path: Path | None = None) -> Choice | None:
+def tune(model: CausalLM, model_path: Path, say: Callable[[str], None], path: Path | None = None) -> Choice | None:
     """Install this machine's kernel choice for ``model`` (kept, or measured now and kept); None
     where the q8 kernels do not run the model or QUICKDRAFT_TUNE=0 says to keep the defaults."""
     from quickdraft import kept, kernels, zoo

@@ -162,11 +162,9 @@ def _load_model(spec: str, dtype: str, device: str, max_context: int | None, kv_
             "built); use float16 or float32 here"
         )
     model.kv_dtype = torch.float16 if kv_dtype == "auto" and quantized else Q8_0 if kv_dtype == Q8_0 else DTYPES.get(kv_dtype)
-    convert = getattr(model, "convert_checkpoint", None)  # MoE models: expert layouts and names
-    if convert is not None:
-        tensors = convert(tensors)
+    tensors = model.convert_checkpoint(tensors)  # MoE models: expert layouts and names
     recorder = None
-    if quantized and ready is None and convert is None and prepared.wanted(path):
+    if quantized and ready is None and not model.converts_checkpoint and prepared.wanted(path):
         recorder = prepared.Recorder(path)
         tensors = recorder.watch(tensors)
     load_weights(model, tensors, tied=cfg.tie_word_embeddings)

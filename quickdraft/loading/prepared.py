@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from quickdraft import zoo
 from quickdraft.config import ModelConfig
 from quickdraft.loading.gguf import GGMLQuantizationType, QuantTensor
 from quickdraft.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from quickdraft.models.causal_lm import CausalLM
 
 FORMAT = 1  # bump when the folder's layout or meaning changes
 MIN_BYTES = 32 << 20
@@ -241,14 +244,14 @@ def _used(p: Path) -> float:
         return 0.0
 
 
-def set_kernel_layouts(model: nn.Module) -> None:
+def set_kernel_layouts(model: CausalLM) -> None:
     """Put every matrix the q8 kernels multiply by into their lane layout now (it would happen at
     the first pass), so the prepared copy keeps it; embedding-only tables stay in GGML blocks."""
     from quickdraft.models.layers import QuantEmbedding
     from quickdraft.quant.ggml import LANE_TYPES, GGMLLinear
 
     embedding_only = {id(m.linear) for m in model.modules() if isinstance(m, QuantEmbedding)}
-    embedding_only.discard(id(getattr(model, "lm_head", None)))
+    embedding_only.discard(id(model.lm_head))
     for m in model.modules():
         if (type(m) is GGMLLinear and id(m) not in embedding_only and m.qtype in LANE_TYPES
                 and m.activation_mode == "q8"):

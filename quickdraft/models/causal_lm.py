@@ -11,7 +11,7 @@ are switched by :class:`ModelConfig` fields.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -54,6 +54,9 @@ class CausalLM(nn.Module):
     """
 
     backbone: ClassVar[type[nn.Module]]
+    # True where convert_checkpoint regroups or renames the checkpoint's tensors (MoE experts): the
+    # prepared-weights cache, which records tensors as the file has them, is then not written.
+    converts_checkpoint: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -73,6 +76,11 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's (name, tensor) pairs in this model's layout and names; as they are for the
+        families whose parameters match the checkpoint one to one (see converts_checkpoint)."""
+        return iter(tensors)
 
     def mtp_layer(self) -> tuple[nn.Module, type[nn.Module]] | None:
         """The family's multi-token-prediction decoder layer (new, for :attr:`mtp_weights`' ``layers.0.*``)

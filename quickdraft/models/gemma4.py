@@ -242,6 +242,7 @@ class CausalLM(gemma3.CausalLM):
     (Gemma 3's scaled embedding and soft-capped head)."""
 
     backbone = _Backbone
+    converts_checkpoint = True
 
     def make_cache(self, max_len: int) -> KVCache:
         return KVCache(0, 0, 0, max_len, self.kv_dtype or self.dtype, self.device, layout=kv_layout(self.config))

@@ -127,6 +127,7 @@ class CausalLM(causal_lm.CausalLM):
     """``model(ids, cache) -> (logits, captured)``, the interface of :class:`causal_lm.CausalLM`."""
 
     backbone = _Backbone
+    converts_checkpoint = True
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The router as ``mlp.gate``, stacked experts split per expert: float, MXFP4 (kept in their

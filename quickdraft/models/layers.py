@@ -87,12 +87,12 @@ def embedding(num: int, dim: int) -> nn.Embedding:
 class QuantEmbedding(nn.Module):
     """Token embedding read from a block-quantized matrix (dequantizes only the rows looked up)."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, linear: GGMLLinear) -> None:
         super().__init__()
         self.linear = linear
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H] float32
-        return self.linear.embedding(ids)  # type: ignore[operator]
+        return self.linear.embedding(ids)
 
 
 class RMSNorm(nn.Module):

@@ -238,6 +238,8 @@ class MoECausalLM(CausalLM):
     loaded) that costs nothing.
     """
 
+    converts_checkpoint = True
+
     routing: ClassVar[str] = "softmax_topk"
     shared_expert_gate: ClassVar[bool] = False
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()

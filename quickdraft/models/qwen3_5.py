@@ -217,6 +217,7 @@ class CausalLM(causal_lm.CausalLM):
     a :class:`HybridCache`."""
 
     backbone = _Backbone
+    converts_checkpoint = True
 
     def recurrent_shape(self) -> RecurrentShape:
         cfg = self.config

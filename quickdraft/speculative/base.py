@@ -152,6 +152,7 @@ class Drafter:
     features and keeps no state worth copying. Subclasses override what they do differently."""
 
     name: str = "drafter"
+    variant: str = ""  # which published variant of its kind it runs, in words (EAGLE-3 heads); "" for none
     # Decoder layers whose input hidden states the drafter reads (see the module docstring); ()
     # for drafters that read ids only (``feed`` is then never called).
     capture_layers: tuple[int, ...] = ()

@@ -22,6 +22,7 @@ import os
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from torch import Tensor
 
 from quickdraft import zoo
 from quickdraft.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from quickdraft.models.causal_lm import CausalLM
 
 CORPUS_CHARS = 8_000_000  # enough for stable ranks of the top ~30k tokens
 
@@ -105,11 +109,11 @@ class DraftVocab:
         new = ids[~self._in_base[ids]].unique()
         return torch.cat([self.base, new]).sort().values if new.numel() else self.base
 
-    def apply(self, model: torch.nn.Module, prompt_ids: Tensor) -> bool:
-        """Point ``model``'s output head (a CausalLM) at this request's ids; False if it cannot be cut."""
+    def apply(self, model: CausalLM, prompt_ids: Tensor) -> bool:
+        """Point ``model``'s output head at this request's ids; False if it cannot be cut."""
         ids = self.for_prompt(prompt_ids)
         if self.current is not None and torch.equal(ids, self.current):
             return True
-        ok = bool(model.set_output_vocab(ids))  # type: ignore[operator]
+        ok = model.set_output_vocab(ids)
         self.current = ids if ok else None
         return ok

@@ -207,8 +207,7 @@ class Eagle3Drafter(Drafter):
     observe_cost=False); head_seconds: cost of one head pass (measured when None).
     """
 
-    name = "eagle3"
-    variant = ""  # the head's variant in words (set by the factory from the load)
+    name = "eagle3"  # (variant: set by the factory from the load)
 
     def __init__(
         self,
