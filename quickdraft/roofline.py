@@ -95,7 +95,7 @@ def int8_dot_rate(threads: int | None = None) -> float | None:
     VNNI: dpbusd; AVX2: maddubs + an int16 add) with ``threads`` threads (default: torch's), measured
     now (~30 ms; the best of 3); None without the native kernels. No pass of T rows can take less than
     T x :func:`int8_products` / this: the compute roofline of verification passes, beside the memory
-    one (measured on a 2-core Zen 4: 98 G/s per core with dpbusd, 117 G/s with the AVX2 step)."""
+    one (measured on a 2-core Zen 4: 116-117 G/s per core with dpbusd and with the AVX2 step)."""
     from quickdraft.quant.ggml import active_kernels
 
     mod = active_kernels()

@@ -1348,13 +1348,15 @@ inline void gemm_multi(const float* x, int64_t T, int64_t K, Job* jobs, int njob
 }
 
 // The tiles' integer dot step alone, as fast as this build runs it: int8 products per second of
-// nthreads threads (each 12 independent accumulators, no loads: the instruction's throughput).
+// nthreads threads (independent accumulators, no loads: the instruction's throughput). Enough
+// chains to hide the latency: measured on Zen 4, one core, dpbusd 99 G/s with 12 chains and 116
+// with 16 to 28; the AVX2 step 112-116 with 12 (16 registers: more would spill).
 // VNNI: dpbusd; AVX2: maddubs + an int16 add (the cheapest step of the AVX2 tiles, where int16
 // pair sums fit). No GEMM can multiply its weights by its rows faster than this: a pass of T rows
 // takes at least T x (weights) / rate (the compute roofline beside the memory one).
 inline double dot_rate(int nthreads) {
-  constexpr int NACC = 12;
-  constexpr int64_t ITERS = int64_t{1} << 21;  // x 12 steps x 32 products per thread: ~8 ms at 3 GHz
+  constexpr int NACC = QD_NREGS == 32 ? 16 : 12;
+  constexpr int64_t ITERS = int64_t{1} << 21;  // x NACC steps x 32 products per thread: ~8-10 ms at 3 GHz
   double best = 0.0;
   int64_t keep = 0;
   for (int rep = 0; rep < 3; ++rep) {
