@@ -352,3 +352,23 @@ def test_qwen05_logits_match_transformers(qwen05_gguf: Path) -> None:
     expected = reference_logits(_hf_from_gguf(qwen05_gguf), ids)
     diff = float((logits - expected).abs().max())
     assert diff < 1e-3, f"max abs diff {diff:.3g}"
+
+
+def test_families_that_convert_checkpoints_say_so() -> None:
+    """A family overriding CausalLM.convert_checkpoint sets converts_checkpoint (loading then keeps
+    no prepared copy of the file's tensors), and one that does not leaves both alone."""
+    import importlib
+
+    from quickdraft.models import _MODULE, ARCHITECTURES
+    from quickdraft.models.causal_lm import CausalLM
+
+    converting = set()
+    for arch in ARCHITECTURES:
+        cls = importlib.import_module(f"quickdraft.models.{_MODULE.get(arch, arch)}").CausalLM
+        assert issubclass(cls, CausalLM)
+        overrides = cls.convert_checkpoint is not CausalLM.convert_checkpoint
+        assert cls.converts_checkpoint == overrides, arch
+        if overrides:
+            converting.add(arch)
+    assert {"mixtral", "gpt_oss", "qwen3_5", "gemma4_text"} <= converting
+    assert not converting & {"llama", "qwen2", "qwen3", "mistral", "phi3"}
