@@ -64,6 +64,9 @@ def test_set_tuning_validates_and_reports(restore_tuning) -> None:
                 (0, 1, 1, 2, 3, 0), (0, 1, 1, 2, 0, 2)):
         with pytest.raises(RuntimeError, match="must be"):
             mod.set_tuning(*bad)
+        if bad[0] < 3:  # (the rest: the setting, named by the kernels' one check, also for kept choices)
+            assert "must be" in mod.tuning_problem(*bad[1:])
+    assert all(mod.tuning_problem(*s) == "" for c in (tuning.DEFAULTS, *tuning.CANDIDATES) for s in c)
 
 
 def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, restore_tuning) -> None:

@@ -185,17 +185,26 @@ qd_abi::Tuning tuning_of(int cls) {
           t[3].load(std::memory_order_relaxed), t[4].load(std::memory_order_relaxed)};
 }
 
+// What is wrong with a (prefetch, ahead, runs, tile1, chain) setting; "" where the kernels take it.
+// The one definition of the ranges: set_tuning refuses what it names, and the tuner drops kept
+// choices it names (quickdraft/kernels/tuning.py).
+std::string tuning_problem(int64_t prefetch, int64_t ahead, int64_t runs, int64_t tile1, int64_t chain) {
+  if (prefetch < 0 || prefetch > 3) return "prefetch must be 0 (none), 1 (L1), 2 (L2) or 3 (L1 for small decode panels)";
+  if (ahead < 1 || ahead > 4) return "ahead must be 1 .. 4 panels";
+  if (runs < 1 || runs > 16) return "runs must be 1 .. 16 per thread";
+  if (tile1 != 0 && tile1 != 2 && tile1 != 4 && tile1 != 8)
+    return "tile1 must be 0 (the build's default), 2, 4 or 8 weight rows per one-row tile";
+  if (chain != 0 && chain != 1) return "chain must be 0 (one row chunk by chunk) or 1 (a panel's chunks chained)";
+  return "";
+}
+
 // Sets class cls's (0: 1 row, 1: 2-16 rows, 2: more) prefetch, ahead, runs, one-row tile width and
 // one-row chaining; returns the previous.
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> set_tuning(int64_t cls, int64_t prefetch, int64_t ahead,
                                                                    int64_t runs, int64_t tile1, int64_t chain) {
   TORCH_CHECK(cls >= 0 && cls < qd_abi::TUNING_CLASSES, "tuning class must be 0 (1 row), 1 (2-16 rows) or 2 (more)");
-  TORCH_CHECK(prefetch >= 0 && prefetch <= 3, "prefetch must be 0 (none), 1 (L1), 2 (L2) or 3 (L1 for small decode panels)");
-  TORCH_CHECK(ahead >= 1 && ahead <= 4, "ahead must be 1 .. 4 panels");
-  TORCH_CHECK(runs >= 1 && runs <= 16, "runs must be 1 .. 16 per thread");
-  TORCH_CHECK(tile1 == 0 || tile1 == 2 || tile1 == 4 || tile1 == 8,
-              "tile1 must be 0 (the build's default), 2, 4 or 8 weight rows per one-row tile");
-  TORCH_CHECK(chain == 0 || chain == 1, "chain must be 0 (one row chunk by chunk) or 1 (a panel's chunks chained)");
+  const std::string problem = tuning_problem(prefetch, ahead, runs, tile1, chain);
+  TORCH_CHECK(problem.empty(), problem);
   const qd_abi::Tuning prev = tuning_of(static_cast<int>(cls));
   g_tuning[cls][0] = static_cast<int>(prefetch);
   g_tuning[cls][1] = static_cast<int>(ahead);
@@ -445,6 +454,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "set the q8 GEMM's (prefetch, ahead, runs, tile1, chain) for a class of row counts (0: 1 row, 1: 2-16, "
         "2: more); returns the previous", pybind11::arg("rows_class"), pybind11::arg("prefetch"), pybind11::arg("ahead"),
         pybind11::arg("runs"), pybind11::arg("tile1") = 0, pybind11::arg("chain") = 0);
+  m.def("tuning_problem", &tuning_problem,
+        "what is wrong with a (prefetch, ahead, runs, tile1, chain) setting; '' where set_tuning takes it",
+        pybind11::arg("prefetch"), pybind11::arg("ahead"), pybind11::arg("runs"), pybind11::arg("tile1"),
+        pybind11::arg("chain"));
   m.def("tuning", [](int64_t cls) {
     TORCH_CHECK(cls >= 0 && cls < qd_abi::TUNING_CLASSES, "tuning class must be 0, 1 or 2");
     const auto t = tuning_of(static_cast<int>(cls));

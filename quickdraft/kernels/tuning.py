@@ -233,13 +233,9 @@ def tuning_key(path: Path) -> str:
                      f"isa={os.environ.get('QUICKDRAFT_ISA', '').strip().lower() or 'auto'}"])
 
 
-def _valid(s: tuple[int, ...]) -> bool:
-    """A setting the kernels take (ggml_cpu.cpp set_tuning's ranges)."""
-    return (len(s) == 5 and 0 <= s[0] <= 3 and 1 <= s[1] <= 4 and 1 <= s[2] <= 16 and s[3] in (0, 2, 4, 8)
-            and s[4] in (0, 1))
-
-
-def _kept(entry: object, isas: list[str]) -> Choice | None:
+def _kept(entry: object, isas: list[str], mod: Any) -> Choice | None:
+    """The kept choice in ``entry`` where it is whole, fresh, for an instruction set this process
+    may run and made of settings the kernels ``mod`` take; else None (measure again)."""
     try:
         assert isinstance(entry, dict)
         measured = float(entry["measured"])
@@ -248,7 +244,7 @@ def _kept(entry: object, isas: list[str]) -> Choice | None:
     except (AssertionError, KeyError, TypeError, ValueError):
         return None
     if (time.time() - measured > MAX_AGE_DAYS * 86400 or isa not in isas or len(settings) != len(DEFAULTS)
-            or not all(_valid(s) for s in settings) or not math.isfinite(measured)):
+            or not all(len(s) == 5 and not mod.tuning_problem(*s) for s in settings) or not math.isfinite(measured)):
         return None
     return Choice(isa, settings, measured)  # type: ignore[arg-type]
 
@@ -269,7 +265,7 @@ def tune(model: CausalLM, model_path: Path, say: Callable[[str], None], path: Pa
     path = path or zoo.cache_dir() / FILE_NAME
     key = tuning_key(model_path)
     entries, _ = kept.read(path)
-    choice = _kept(entries.get(key), isas)
+    choice = _kept(entries.get(key), isas, mod)
     if choice is None:
         choice = measure(model, isas, say)
         entries[key] = {"measured": choice.measured, "isa": choice.isa, "settings": [list(s) for s in choice.settings]}
