@@ -673,7 +673,7 @@ def pass_roofline(
         "probes": [list(p) for p in taken],
         "isa": isa(),
         "int8_products_per_row": products,
-        "floor_s": {str(r): pass_floor(model, r, context, bw, rate) for r in rows},
+        "floor_s": {r: pass_floor(model, r, context, bw, rate) for r in rows},  # (JSON: the keys as text)
     }
 
 
@@ -763,8 +763,8 @@ def measure_model(
         )
         probes.append(pass_probe())
         roof = pass_roofline(target.model, context, args.row_list, probes)
-        floors = {int(r): s for r, s in roof["floor_s"].items()} if roof else None
-        sweep.append({"context_tokens": context, "table": pass_table(seconds, floors), "roofline": roof,
+        sweep.append({"context_tokens": context, "table": pass_table(seconds, roof["floor_s"] if roof else None),
+                      "roofline": roof,
                       "seconds": {e: {str(r): v for r, v in d.items()} for e, d in seconds.items()}})
     prefill = []
     if args.prefill:

@@ -977,6 +977,12 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
     auto load_xa = [&](int i, int v) __attribute__((always_inline)) {  // |x| (ABS_X formats)
       return _mm256_load_si256(reinterpret_cast<const __m256i*>(x[i].qa + 32 * v));
     };
+    // w[j][h]: vector 2s + h of weight row j (the segment's weight vectors of all NN rows)
+    auto seg_vectors = [&](int s, __m256i (&w)[NN][2]) __attribute__((always_inline)) {
+      QD_UNROLL
+      for (int j = 0; j < NN; ++j)
+        F::seg(s, p[j], pre[j], [&](int v, __m256i wv) __attribute__((always_inline)) { w[j][v - 2 * s] = wv; });
+    };
     QD_UNROLL
     for (int s = 0; s < F::NSEG; ++s) {
       if constexpr (I16_PAIR) {  // a segment's two vectors: one int16 add, one widening
@@ -986,9 +992,7 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
                            F::acc_of(6) == F::acc_of(7)),
                       "a segment's two vectors go to one accumulator");
         __m256i w[NN][2];
-        QD_UNROLL
-        for (int j = 0; j < NN; ++j)
-          F::seg(s, p[j], pre[j], [&](int v, __m256i wv) __attribute__((always_inline)) { w[j][v - 2 * s] = wv; });
+        seg_vectors(s, w);
         QD_UNROLL
         for (int i = 0; i < TT; ++i) {
           const __m256i x0 = load_x(i, 2 * s), x1 = load_x(i, 2 * s + 1);
@@ -1002,9 +1006,7 @@ QD_INLINE void tile(const XChunk* x, const uint8_t* const* b, int64_t nblk, floa
         }
       } else if constexpr (XREUSE) {  // the segment's weight vectors of all NN rows, then each x vector once
         __m256i w[NN][2];
-        QD_UNROLL
-        for (int j = 0; j < NN; ++j)
-          F::seg(s, p[j], pre[j], [&](int v, __m256i wv) __attribute__((always_inline)) { w[j][v - 2 * s] = wv; });
+        seg_vectors(s, w);
         QD_UNROLL
         for (int h = 0; h < 2; ++h) {
           __m256i wu[NN];
