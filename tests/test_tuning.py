@@ -13,6 +13,7 @@ import torch
 from test_kernels import BLOCK_FORMATS, random_raw
 
 from quickdraft import kernels
+from quickdraft.hardware import Load, LoadWatch
 from quickdraft.kernels import tuning
 from quickdraft.loading.load import load_model
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_multi
@@ -69,11 +70,32 @@ def test_set_tuning_validates_and_reports(restore_tuning) -> None:
     assert all(mod.tuning_problem(*s) == "" for c in (tuning.DEFAULTS, *tuning.CANDIDATES) for s in c)
 
 
-def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, restore_tuning) -> None:
-    mod = restore_tuning
+class FakeWatch:
+    """A LoadWatch whose machine is as busy as ``others`` says (cores other programs keep busy)."""
+
+    others = 0.0
+
+    def start(self) -> FakeWatch:
+        return self
+
+    def load(self) -> Load:
+        return Load(FakeWatch.others, 2)
+
+
+@pytest.fixture()
+def quiet(monkeypatch):
+    """A quiet machine and timings without scatter (a tiny model's microsecond passes scatter)."""
+    monkeypatch.setattr(FakeWatch, "others", 0.0)
+    monkeypatch.setattr(tuning, "LoadWatch", FakeWatch)
+    monkeypatch.setattr(tuning, "SPREAD", float("inf"))
     monkeypatch.setattr(tuning, "ROUNDS", 2)
     monkeypatch.setattr(tuning, "MIN_WEIGHT_BYTES", 0)  # (a tiny model: normally too small to tune)
     monkeypatch.delenv("QUICKDRAFT_TUNE", raising=False)
+
+
+def test_choice_is_measured_kept_and_remeasured(tmp_path: Path, monkeypatch, restore_tuning, quiet) -> None:
+    mod = restore_tuning
+    monkeypatch.setattr(tuning, "recheck", lambda *_a: None)  # (the re-check: its own test)
     model_path = DATA / "tiny-qwen2-256-Q5_K.gguf"
     model = load_model(str(model_path), max_context=64).model
     store, said = tmp_path / "choices.json", []
@@ -141,3 +163,103 @@ def test_one_row_race_covers_layers_spread_over_the_stack_weighted_to_all() -> N
     assert sorted(id(m) for g in every.layer_groups for m in g) == sorted(q8)
     timer = tuning._timer(model, 1, len(stack), with_head=True)
     assert timer is not None and timer() > 0
+
+
+def _noisy_timer(monkeypatch) -> None:
+    """Every race timer runs on a machine another program loads now and then: 1 round in 3 takes
+    1.5-3x as long, whatever the setting (a fake clock that adds load)."""
+    real = tuning._timer
+    gen = np.random.default_rng(0)
+
+    def timer(*args, **kwargs):
+        run = real(*args, **kwargs)
+        if run is None:
+            return None
+        return lambda: run() * (gen.uniform(1.5, 3.0) if gen.random() < 0.5 else 1.0)
+
+    monkeypatch.setattr(tuning, "_timer", timer)
+
+
+def test_a_busy_machine_keeps_the_defaults_and_says_so(tmp_path: Path, monkeypatch, restore_tuning, quiet) -> None:
+    """Others keeping the CPUs busy during the race, or timings that scatter: the defaults run,
+    nothing is kept, the start-up line says why; the next quiet start measures and keeps."""
+    mod = restore_tuning
+    model_path = DATA / "tiny-qwen2-256-Q5_K.gguf"
+    model = load_model(str(model_path), max_context=64).model
+    store = tmp_path / "choices.json"
+    isa_default = "avx512vnni" if kernels.cpu_runs("avx512vnni") else "avx2"
+    for cls in range(3):  # (something other than the defaults installed before)
+        mod.set_tuning(cls, *tuning.CANDIDATES[cls][0])
+    monkeypatch.setattr(FakeWatch, "others", 1.2)
+    busy = tuning.tune(model, model_path, lambda _m: None, store)
+    assert busy is not None and busy.fresh and not busy.keep
+    assert busy.settings == tuning.DEFAULTS and busy.isa == isa_default == kernels.isa()
+    assert [mod.tuning(c) for c in range(3)] == list(tuning.DEFAULTS)
+    assert "not kept: other programs kept 1.20 of 2 cores busy" in busy.line()
+    assert not store.exists()
+    monkeypatch.setattr(FakeWatch, "others", 0.0)  # quiet again, but the timer scatters
+    monkeypatch.setattr(tuning, "SPREAD", 1.25)
+    monkeypatch.setattr(tuning, "ROUNDS", 7)
+    _noisy_timer(monkeypatch)
+    noisy = tuning.tune(model, model_path, lambda _m: None, store)
+    assert noisy is not None and not noisy.keep and "timings scattered" in noisy.line()
+    assert noisy.settings == tuning.DEFAULTS and not store.exists()
+    monkeypatch.setattr(tuning, "SPREAD", float("inf"))
+    quiet_start = tuning.tune(model, model_path, lambda _m: None, store)
+    assert quiet_start is not None and quiet_start.keep and store.exists()
+
+
+def test_load_watch_counts_other_processes_not_its_own() -> None:
+    """This process spinning is its own time; a child process spinning beside it is another's."""
+    import subprocess
+    import sys
+
+    watch = LoadWatch().start()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.4:
+        pass
+    alone = watch.load()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.0: pass"])
+    time.sleep(0.3)  # (the child's start-up)
+    watch = LoadWatch().start()
+    time.sleep(0.6)
+    beside = watch.load()
+    child.wait()
+    assert beside.others > alone.others and beside.others > 0.5, (alone, beside)
+
+
+def test_a_kept_choice_worse_than_the_defaults_now_is_replaced(tmp_path: Path, monkeypatch, restore_tuning,
+                                                                 quiet) -> None:
+    """At each start the kept choice runs a few rounds against the defaults; where the defaults
+    are clearly faster now, the choice is measured anew and the line says it was replaced. A
+    choice that holds (or a busy re-check, which cannot tell) is installed as kept."""
+    mod = restore_tuning
+    model_path = DATA / "tiny-qwen2-256-Q5_K.gguf"
+    model = load_model(str(model_path), max_context=64).model
+    store = tmp_path / "choices.json"
+    isa_default = "avx512vnni" if kernels.cpu_runs("avx512vnni") else "avx2"
+    slow = ((0, 1, 1, 2, 0), tuning.DEFAULTS[1], tuning.DEFAULTS[2])
+    store.write_text(json.dumps({tuning.tuning_key(model_path): {
+        "measured": time.time() - 86400, "isa": isa_default, "settings": [list(s) for s in slow]}}))
+    real = tuning._timer
+
+    def timer(*args, **kwargs):  # the kept setting now runs 20% slower than the defaults
+        run = real(*args, **kwargs)
+        return None if run is None else lambda: 1e-3 * (1.2 if mod.tuning(0) == slow[0] else 1.0) + 0 * run()
+
+    monkeypatch.setattr(tuning, "_timer", timer)
+    monkeypatch.setattr(tuning, "measure", lambda *_a: tuning.Choice(isa_default, tuning.DEFAULTS, time.time(),
+                                                                      fresh=True))
+    replaced = tuning.tune(model, model_path, lambda _m: None, store)
+    assert replaced is not None and replaced.fresh and replaced.settings == tuning.DEFAULTS
+    assert "replaced the choice kept from" in replaced.line() and "20% slower than the defaults" in replaced.line()
+    assert json.loads(store.read_text())[tuning.tuning_key(model_path)]["settings"][0] == list(tuning.DEFAULTS[0])
+    # a kept choice that holds its lead is installed as kept, and so is one a busy re-check cannot judge
+    good = ((0, 1, 1, 2, 0), *tuning.DEFAULTS[1:])
+    monkeypatch.setattr(tuning, "_timer", lambda *a, **k: (lambda: 1e-3 * (0.8 if mod.tuning(0) == good[0] else 1.0)))
+    for others in (0.0, 1.5):
+        store.write_text(json.dumps({tuning.tuning_key(model_path): {
+            "measured": time.time(), "isa": isa_default, "settings": [list(s) for s in good]}}))
+        monkeypatch.setattr(FakeWatch, "others", others)
+        held = tuning.tune(model, model_path, lambda _m: None, store)
+        assert held is not None and not held.fresh and held.settings == good and mod.tuning(0) == good[0]

@@ -5,7 +5,8 @@ target and a draft model: ~1/3 of a cold start to the first token). They depend 
 the model file, the kernel build and the thread count, not on the request, so they are measured
 once and kept in ``<cache>/pass_costs.json``; the cost model still tracks them online from there.
 An entry older than MAX_AGE_DAYS, or one that cannot be read, is measured again (and the CLI
-says why). A cache folder that cannot be written only costs the saving, with a warning.
+says why). A measurement taken while other programs kept the CPUs busy is used for that start
+only, not kept. A cache folder that cannot be written only costs the saving, with a warning.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import kept, zoo
-from quickdraft.hardware import cpu_model
+from quickdraft.hardware import LoadWatch, cpu_model
 from quickdraft.loading.load import LoadedModel
 from quickdraft.speculative.policy import (
     TargetCost,
@@ -98,8 +99,16 @@ def _kept_or_measured(
     why = problem or ("the kept one is stale or damaged" if key in entries else
                       "first run of this model with this machine, kernel build and thread count")
     say(f"measuring the pass costs of {Path(loaded.path).name} for the speculation policy ({why}) ...")
+    watch = LoadWatch().start()
     seconds = measure_pass_seconds(loaded.model, rows=rows)
     per_key = measure_attention_per_key(loaded.model)
+    load = watch.load()
+    if load.busy:
+        # Used for now (the cost model follows the passes it observes from here), never kept: a
+        # busy start's costs would mislead every later start.
+        say(f"pass costs of {Path(loaded.path).name} not kept: {load.describe()} while they were measured; "
+            "measured again at the next start")
+        return seconds, per_key
     entries[key] = {"measured": time.time(), "seconds": {str(r): s for r, s in seconds.items()},
                     "per_key": list(per_key)}
     _write(path, entries)

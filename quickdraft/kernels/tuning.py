@@ -26,10 +26,18 @@ keeps a setting only where it beats the default by more than its noise (min and 
 least 3% faster). The choice is kept in ``<cache>/kernel_choices.json`` per (CPU, model file, kernel
 build, threads) for 30 days and installed at every later start. ``QUICKDRAFT_ISA`` still forces
 the instruction set; ``QUICKDRAFT_TUNE=0`` keeps the defaults.
+
+A measurement is only as good as the machine was quiet: a race run while other programs keep the
+CPUs busy (:class:`~quickdraft.hardware.LoadWatch`: more than BUSY_CORES of a core on average) or
+whose timings scatter (the default's median over SPREAD times its best) is not kept; the defaults
+run until a later, quiet start measures again. A kept choice is re-checked at every start (a few
+rounds of it against the defaults, ~0.3 s for a 1.5B model) and measured anew where the defaults
+now beat it. The start-up line says when a measurement was refused or a kept choice replaced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -41,6 +49,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
+
+from quickdraft.hardware import LoadWatch
 
 if TYPE_CHECKING:
     from quickdraft.models.causal_lm import CausalLM
@@ -63,6 +73,8 @@ SHAPE_CANDIDATES: tuple[tuple[tuple[int, int], ...], ...] = (((2, 1), (8, 1), (0
 SAMPLED_LAYERS = 4  # the one-row race's layers (evenly spaced; the 1.5B's 4: 0.11 GB, beyond an L3)
 ROUNDS = 7  # per class; each candidate timed once per round, in rotated order
 MARGIN = 0.97  # a candidate must be at least 3% faster (min and median) to replace the default
+SPREAD = 1.25  # a race where the default's median time exceeds its best by this was too noisy to keep
+RECHECK_ROUNDS = 6  # rounds of a kept choice against the defaults at each start (alternating)
 _PREFETCH = {0: "no prefetch", 1: "prefetch into L1", 2: "prefetch into L2", 3: "prefetch L1/L2"}
 
 
@@ -74,6 +86,8 @@ class Choice:
     settings: tuple[Setting, ...]
     measured: float  # unix time of the measurement
     fresh: bool = False  # measured by this start (else kept from an earlier one)
+    note: str = ""  # a measurement refused or a kept choice replaced, and why (the start-up line says it)
+    keep: bool = True  # fit to keep (False: measured on a busy machine, so the defaults run for now)
 
     def line(self) -> str:
         parts = []
@@ -86,7 +100,9 @@ class Choice:
                 chained = "" if cls != 0 else ", chunks chained" if chain else ", chunk by chunk"  # (1 row only)
                 parts.append(f"{name}: {_PREFETCH[prefetch]}, {ahead} panel(s) ahead, {runs} ranges/thread{tile}{chained}")
         when = "measured now" if self.fresh else f"kept from {time.strftime('%Y-%m-%d', time.localtime(self.measured))}"
-        return f"kernels: {self.isa} q8 GEMM; {'; '.join(parts)} ({when}; QUICKDRAFT_TUNE=0 keeps the defaults)"
+        note = f"; {self.note}" if self.note else ""
+        return f"kernels: {self.isa} q8 GEMM; {'; '.join(parts)} ({when}{note}; QUICKDRAFT_TUNE=0 keeps the defaults)"
+
 
 
 def apply(mod: Any, choice: Choice) -> None:
@@ -183,18 +199,31 @@ def _better(times: dict[Any, list[float]], default: Any) -> Any:
     return best if b[0] <= MARGIN * d[0] and b[1] <= MARGIN * d[1] else default
 
 
+def _timers(model: CausalLM) -> list[Callable[[], float] | None]:
+    """Each class's timer (None where the class runs no q8 linear)."""
+    return [_timer(model, rows, SAMPLED_LAYERS if cls == 0 else 1, with_head=cls < 2)
+            for cls, (_, rows) in enumerate(CLASSES)]
+
+
+def _spread(times: dict[Any, list[float]], setting: Any) -> float:
+    """How far ``setting``'s median time lies above its best (1.0: no scatter)."""
+    return statistics.median(times[setting]) / min(times[setting])
+
+
 def measure(model: CausalLM, isas: list[str], say: Callable[[str], None]) -> Choice:
-    """Time the candidates on ``model``'s weights and return the fastest clear choice."""
+    """Time the candidates on ``model``'s weights and return the fastest clear choice; where the
+    machine was busy or the timings scattered, the defaults (``isas[0]``) with ``keep`` False."""
     from quickdraft.quant.ggml import active_kernels
 
     mod = active_kernels()
     assert mod is not None
     say("choosing this machine's kernels for the model (first start with this kernel build) ...")
-    timers = [_timer(model, rows, SAMPLED_LAYERS if cls == 0 else 1, with_head=cls < 2)
-              for cls, (_, rows) in enumerate(CLASSES)]
+    watch = LoadWatch().start()
+    timers = _timers(model)
     for cls, default in enumerate(DEFAULTS):
         mod.set_tuning(cls, *default)
     isa = isas[0]
+    spread = 1.0
     if len(isas) > 1 and timers[0] is not None:  # decode and verification decide the build
         totals: dict[str, list[float]] = {i: [] for i in isas}
         for r in range(ROUNDS):
@@ -202,6 +231,7 @@ def measure(model: CausalLM, isas: list[str], say: Callable[[str], None]) -> Cho
                 mod.set_isa(i)
                 totals[i].append(sum(t() for t in timers[:2] if t is not None))
         isa = _better(totals, isas[0])
+        spread = _spread(totals, isas[0])
     mod.set_isa(isa)
     settings = []
     for cls, (default, candidates) in enumerate(zip(DEFAULTS, CANDIDATES, strict=True)):
@@ -210,13 +240,46 @@ def measure(model: CausalLM, isas: list[str], say: Callable[[str], None]) -> Cho
             settings.append(default)
             continue
         times = _race(mod, cls, timer, [default, *candidates])
+        spread = max(spread, _spread(times, default))
         chosen = _better(times, default)
         if SHAPE_CANDIDATES[cls]:  # the tile shapes, on top of the chosen data movement
             shapes = [chosen, *((*chosen[:3], tile1, chain) for tile1, chain in SHAPE_CANDIDATES[cls])]
             chosen = _better(_race(mod, cls, timer, shapes), chosen)
         mod.set_tuning(cls, *chosen)
         settings.append(chosen)
+    load = watch.load()
+    if load.busy or spread > SPREAD:
+        why = load.describe() if load.busy else f"timings scattered {spread - 1:.0%} above their best"
+        defaults = Choice(isas[0], DEFAULTS, time.time(), fresh=True, keep=False,
+                          note=f"not kept: {why}; the defaults run until a quiet start measures again")
+        apply(mod, defaults)
+        return defaults
     return Choice(isa, tuple(settings), time.time(), fresh=True)
+
+
+def recheck(model: CausalLM, choice: Choice, default_isa: str) -> str | None:
+    """Time the kept ``choice`` against the defaults, alternating, on decode and verification
+    passes: why it must be measured anew (the defaults now clearly faster), or None (it holds, or
+    the machine was too busy to tell). Leaves ``choice`` installed."""
+    from quickdraft.quant.ggml import active_kernels
+
+    mod = active_kernels()
+    assert mod is not None
+    defaults = Choice(default_isa, DEFAULTS, 0.0)
+    if choice.isa == defaults.isa and choice.settings[:2] == DEFAULTS[:2]:
+        return None
+    timers = [t for t in _timers(model)[:2] if t is not None]
+    watch = LoadWatch().start()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for r in range(RECHECK_ROUNDS):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            apply(mod, (choice, defaults)[i])
+            times[i].append(sum(t() for t in timers))
+    apply(mod, choice)
+    if watch.load().busy or _spread(times, 0) > SPREAD or _better(times, 0) == 0:
+        return None
+    slower = statistics.median(times[0]) / statistics.median(times[1]) - 1
+    return f"the kept choice ran {slower:.0%} slower than the defaults now"
 
 
 def tuning_key(path: Path) -> str:
@@ -250,8 +313,9 @@ def _kept(entry: object, isas: list[str], mod: Any) -> Choice | None:
 
 
 def tune(model: CausalLM, model_path: Path, say: Callable[[str], None], path: Path | None = None) -> Choice | None:
-    """Install this machine's kernel choice for ``model`` (kept, or measured now and kept); None
-    where the q8 kernels do not run the model or QUICKDRAFT_TUNE=0 says to keep the defaults."""
+    """Install this machine's kernel choice for ``model`` (kept and re-checked, or measured now and
+    kept where the machine was quiet); None where the q8 kernels do not run the model or
+    QUICKDRAFT_TUNE=0 says to keep the defaults."""
     from quickdraft import kept, kernels, zoo
     from quickdraft.quant.ggml import active_kernels
     from quickdraft.roofline import weight_read_bytes
@@ -261,14 +325,27 @@ def tune(model: CausalLM, model_path: Path, say: Callable[[str], None], path: Pa
             or _timed(model, 1, with_head=True) is None or weight_read_bytes(model) < MIN_WEIGHT_BYTES):
         return None
     forced = kernels.env_isa()
-    isas = [forced] if forced else ["avx2", *(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else [])]
+    # the kernels' own default (the best this CPU runs) first: it is what runs untuned
+    isas = [forced] if forced else [*(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else []), "avx2"]
     path = path or zoo.cache_dir() / FILE_NAME
     key = tuning_key(model_path)
     entries, _ = kept.read(path)
     choice = _kept(entries.get(key), isas, mod)
-    if choice is None:
-        choice = measure(model, isas, say)
+    replaced = ""
+    if choice is not None:
+        apply(mod, choice)
+        why = recheck(model, choice, isas[0])
+        if why is None:
+            return choice
+        replaced = f"replaced the choice kept from {time.strftime('%Y-%m-%d', time.localtime(choice.measured))}: {why}"
+    choice = measure(model, isas, say)
+    if choice.keep:
         entries[key] = {"measured": choice.measured, "isa": choice.isa, "settings": [list(s) for s in choice.settings]}
+    else:
+        entries.pop(key, None)
+    if choice.keep or replaced:
         kept.write(path, entries)  # (where it cannot, measured again at the next start)
+    if replaced:
+        choice = dataclasses.replace(choice, note="; ".join(filter(None, (replaced, choice.note))))
     apply(mod, choice)
     return choice
