@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,9 +91,11 @@ def _kept_or_measured(
 ) -> tuple[dict[int, float], tuple[float, float]]:
     path = path or zoo.cache_dir() / FILE_NAME
     key = cost_key(loaded, rows, variant)
-    entries, problem = kept.read(path)
+    entries, problem = kept.read(path)  # (a damaged file: removed; said in one line, here or below)
     stored = _valid(entries.get(key), rows)
     if stored is not None:
+        if problem:  # (other entries were damaged and dropped)
+            say(problem)
         return stored
     why = problem or ("the kept one is stale or damaged" if key in entries else
                       "first run of this model with this machine, kernel build and thread count")
@@ -116,6 +117,4 @@ def _kept_or_measured(
 
 
 def _write(path: Path, entries: dict[str, dict]) -> None:
-    if (exc := kept.write(path, entries)) is not None:
-        warnings.warn(f"could not keep the pass-cost measurements in {path} ({exc}); they will be "
-                      "measured again at the next start", RuntimeWarning, stacklevel=2)
+    kept.write(path, entries)  # (where it cannot: warned once, measured again at the next start)

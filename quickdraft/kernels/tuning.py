@@ -329,8 +329,13 @@ def tune(model: CausalLM, model_path: Path, say: Callable[[str], None], path: Pa
     isas = [forced] if forced else [*(["avx512vnni"] if kernels.cpu_runs("avx512vnni") else []), "avx2"]
     path = path or zoo.cache_dir() / FILE_NAME
     key = tuning_key(model_path)
-    entries, _ = kept.read(path)
+    entries, problem = kept.read(path)  # (a damaged file: removed, said here in one line)
+    if problem:
+        say(problem)
     choice = _kept(entries.get(key), isas, mod)
+    unfit = choice is None and key in entries  # (dropped from the file below, even if not replaced)
+    if unfit:
+        say(f"the kernel choice kept in {path} for this model is stale or damaged; measuring it again")
     replaced = ""
     if choice is not None:
         apply(mod, choice)
@@ -343,8 +348,8 @@ def tune(model: CausalLM, model_path: Path, say: Callable[[str], None], path: Pa
         entries[key] = {"measured": choice.measured, "isa": choice.isa, "settings": [list(s) for s in choice.settings]}
     else:
         entries.pop(key, None)
-    if choice.keep or replaced:
-        kept.write(path, entries)  # (where it cannot, measured again at the next start)
+    if choice.keep or replaced or unfit:
+        kept.write(path, entries)  # (where it cannot: warned once, measured again at the next start)
     if replaced:
         choice = dataclasses.replace(choice, note="; ".join(filter(None, (replaced, choice.note))))
     apply(mod, choice)

@@ -19,21 +19,25 @@ the GGUF path produces, so results are bitwise the same either way (tests check 
 The key is the GGUF's resolved path, size and modification time, the kernel build
 (:func:`quickdraft.kernels.build_name`, which changes with any kernel source) and :data:`FORMAT`:
 a replaced file or a new build gets a new folder (the old one of the same file is removed), and a
-damaged folder is rebuilt with the reason printed. Files under :data:`MIN_BYTES` load quickly
-anyway and are not prepared; at most :data:`MAX_ENTRIES` models are kept (least recently used go
-first). ``QUICKDRAFT_PREPARED=0`` turns it off. Writing is atomic (a temporary folder renamed);
-a cache folder that cannot be written (read-only, disk full) only warns.
+damaged folder (a missing or short file, an index that is garbled, of another format or not
+consistent with weights.bin) is removed and rebuilt, the reason printed in one line. Files under
+:data:`MIN_BYTES` load quickly anyway and are not prepared; at most :data:`MAX_ENTRIES` models are
+kept (least recently used go first). ``QUICKDRAFT_PREPARED=0`` turns it off. Writing follows
+quickdraft.kept's rules: atomic (a temporary folder, its files flushed to disk, renamed; one a
+killed process left is removed by a later write), and a cache folder that cannot be written
+(read-only, disk full) only warns, once per process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quickdraft import zoo
+from quickdraft import kept, zoo
 from quickdraft.config import ModelConfig
 from quickdraft.loading.gguf import GGMLQuantizationType, QuantTensor
 from quickdraft.tokenizer import Tokenizer
@@ -113,30 +117,77 @@ class Prepared:
 
 
 def open_prepared(gguf: Path) -> Prepared | None:
-    """The prepared copy of ``gguf``, or None (absent; damaged or stale ones say why on stderr)."""
+    """The prepared copy of ``gguf``, or None (absent; a damaged or stale one is removed, saying
+    why in one line on stderr, and the caller loads the GGUF and prepares it again)."""
     if not wanted(gguf):
         return None
     k = key(gguf)
     where = folder(gguf, k)
-    if not where.is_dir():
+    if not where.exists():
         return None
     try:
+        if not where.is_dir():
+            raise ValueError("it is not a folder")
         index = json.loads((where / "index.json").read_text(encoding="utf-8"))
-        if index.get("key") != k:
-            raise ValueError("its key does not match the model file")
         weights = where / "weights.bin"
-        if weights.stat().st_size != index["weights_bytes"]:
-            raise ValueError(f"weights.bin has {weights.stat().st_size} bytes, the index says {index['weights_bytes']}")
+        _check(index, k, weights.stat().st_size)
         tokenizer = Tokenizer.from_state((where / "tokenizer.json").read_text(encoding="utf-8"), index["tokenizer"])
         config = ModelConfig.from_json_dict(index["config"])
         mapped = np.memmap(weights, dtype=np.uint8, mode="c") if index["weights_bytes"] else np.zeros(0, np.uint8)
-        os.utime(where / "index.json")  # least recently used goes first
     except Exception as exc:  # any damage: rebuild from the GGUF
-        print(f"prepared weights in {where} are unusable ({type(exc).__name__}: {exc}); rebuilding them",
+        print(f"prepared weights in {where} are unusable ({kept.one_line(exc)}); rebuilding them",
               file=sys.stderr, flush=True)
         shutil.rmtree(where, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            where.unlink()  # (not a folder)
         return None
+    with contextlib.suppress(OSError):  # (a read-only cache: the copy is still good)
+        os.utime(where / "index.json")  # least recently used goes first
     return Prepared(config, tokenizer, index["tensors"], mapped)
+
+
+def _check(index: Any, k: dict[str, Any], weights_bytes: int) -> None:
+    """Raise ValueError where ``index`` (index.json) is not whole, of this FORMAT and key, and
+    consistent with a weights.bin of ``weights_bytes`` bytes."""
+    if not isinstance(index, dict):
+        raise ValueError(f"index.json holds a JSON {type(index).__name__}, not an object")
+    found = index.get("key")
+    if not isinstance(found, dict) or found.get("format") != FORMAT:
+        fmt = found.get("format") if isinstance(found, dict) else None
+        raise ValueError(f"index.json is of format {fmt!r}, this version reads format {FORMAT}")
+    if found != k:
+        raise ValueError("its key does not match the model file")
+    if weights_bytes != index.get("weights_bytes"):
+        raise ValueError(f"weights.bin has {weights_bytes} bytes, the index says {index.get('weights_bytes')!r}")
+    tensors = index.get("tensors")
+    if not isinstance(tensors, list) or not isinstance(index.get("tokenizer"), dict):
+        raise ValueError("index.json lacks its tensors or tokenizer")
+    for e in tensors:
+        if not _whole(e, weights_bytes):
+            name = e.get("name") if isinstance(e, dict) else None
+            raise ValueError(f"index.json's entry for {name!r} is damaged")
+
+
+def _whole(e: Any, weights_bytes: int) -> bool:
+    """Whether the index entry ``e`` names a tensor that lies within weights.bin and has the size
+    its shape and type say."""
+    if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+        return False
+    offset, nbytes, shape = e.get("offset"), e.get("nbytes"), e.get("shape")
+    if (not isinstance(offset, int) or not isinstance(nbytes, int) or min(offset, nbytes) < 0
+            or offset + nbytes > weights_bytes or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape)):
+        return False
+    if e.get("kind") == "float":
+        dtype = _TORCH_DTYPES.get(str(e.get("dtype")))
+        return dtype is not None and math.prod(shape) * dtype.itemsize == nbytes
+    if e.get("kind") == "quant":
+        try:
+            GGMLQuantizationType(e["qtype"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        return len(shape) == 2 and shape[0] > 0 and nbytes % shape[0] == 0 and isinstance(e.get("lanes"), bool)
+    return False
 
 
 class Recorder:
@@ -153,7 +204,8 @@ class Recorder:
             yield name, t
 
     def save(self, model: nn.Module, config: ModelConfig, tokenizer: Tokenizer) -> None:
-        """Write the folder (blocks in the layout they now have)."""
+        """Write the folder (blocks in the layout they now have), whole or not at all: its files
+        go to a temporary folder beside it, flushed to disk, which is then renamed."""
         k = key(self.gguf)
         dest = folder(self.gguf, k)
         tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
@@ -174,13 +226,17 @@ class Recorder:
                     entries.append({"name": name, **entry, "offset": offset, "nbytes": int(blob.size)})
                     f.write(blob.data)
                     offset += int(blob.size)
+                _synced(f)
             backend_json, tok_state = tokenizer.to_state()
-            (tmp / "tokenizer.json").write_text(backend_json, encoding="utf-8")
             index = {"key": k, "config": config.to_json_dict(), "tokenizer": tok_state,
                      "tensors": entries, "weights_bytes": offset}
-            (tmp / "index.json").write_text(json.dumps(index), encoding="utf-8")
+            for name, text in (("tokenizer.json", backend_json), ("index.json", json.dumps(index))):
+                with open(tmp / name, "w", encoding="utf-8") as f:
+                    f.write(text)
+                    _synced(f)
             for old in root().iterdir():  # earlier versions of this file; partials left by a crash
-                if old != dest and old != tmp and (_key_path(old) == k["path"] or _stale_partial(old)):
+                if old != dest and old != tmp and (_stale_partial(old) if ".partial-" in old.name
+                                                   else _key_path(old) == k["path"]):
                     shutil.rmtree(old, ignore_errors=True)
             if dest.exists():  # another process prepared it meanwhile
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -189,8 +245,14 @@ class Recorder:
             _evict(keep=dest)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            warnings.warn(f"could not keep prepared weights in {dest} ({exc}); the next start reads the GGUF again",
-                          stacklevel=2)
+            kept.warn_unkept(root(), f"could not keep prepared weights in {dest} ({kept.one_line(exc)}); "
+                                     "the next start reads the GGUF again")
+
+
+def _synced(f: Any) -> None:
+    """Flush the open file ``f`` to disk (before its folder is renamed into place)."""
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _loaded(model: nn.Module, name: str, quant: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
@@ -224,10 +286,26 @@ def _key_path(p: Path) -> str | None:
 
 
 def _stale_partial(p: Path) -> bool:
+    """Whether ``p`` is a temporary folder a killed process left: nothing in it written for
+    kept.TEMP_MAX_AGE_S (a folder being written has its weights.bin growing) and its writer gone,
+    or nothing written for an hour (a writer of that id may be another process, or on another
+    machine sharing the cache)."""
     try:
-        return ".partial-" in p.name and time.time() - p.stat().st_mtime > 3600
+        quiet = time.time() - max([p.stat().st_mtime, *(c.stat().st_mtime for c in p.iterdir())])
     except OSError:
         return False
+    return quiet > 3600 or (quiet > kept.TEMP_MAX_AGE_S and not _running(p.name.rpartition("-")[2]))
+
+
+def _running(pid: str) -> bool:
+    """Whether a process ``pid`` runs on this machine (True where that cannot be told)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError, OverflowError):
+        return True
+    return True
 
 
 def _evict(keep: Path) -> None:

@@ -18,7 +18,9 @@ the first 16,384 ids 84%, both together 86% (24.7k rows).
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft import zoo
+from quickdraft import kept, zoo
 from quickdraft.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -67,23 +69,48 @@ def rank_tokens(tokenizer: Tokenizer, vocab_size: int, corpus: Iterable[str]) ->
 
 
 def corpus_token_ranks(tokenizer: Tokenizer, vocab_size: int) -> Tensor:
-    """:func:`rank_tokens` over :func:`stdlib_corpus`, cached per tokenizer in the quickdraft cache."""
+    """:func:`rank_tokens` over :func:`stdlib_corpus`, kept per tokenizer in the quickdraft cache
+    (by quickdraft.kept's rules: written whole; a damaged file is reported in one line on stderr,
+    removed and counted again; a cache that cannot be written warns once and costs ~2 s a start)."""
     path = zoo.cache_dir() / "token_ranks" / f"{tokenizer.fingerprint()[:24]}-{vocab_size}.npy"
-    try:
-        ranks = np.load(path)
-        if ranks.shape == (vocab_size,):
-            return torch.from_numpy(ranks.astype(np.int64))
-    except (OSError, ValueError):
-        pass  # not cached yet (or unreadable): recompute
+    ranks = _kept_ranks(path, vocab_size)
+    if ranks is not None:
+        return ranks
     ranks_t = rank_tokens(tokenizer, vocab_size, stdlib_corpus())
+    buf = io.BytesIO()
+    np.save(buf, ranks_t.numpy().astype(np.int32))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, ranks_t.numpy().astype(np.int32))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs the ~2 s again next time
+        kept.replace(path, buf.getvalue())
+    except OSError as exc:
+        kept.warn_unkept(path.parent, f"could not keep the token ranks in {path} ({kept.one_line(exc)}); "
+                                      "they will be counted again at the next start")
     return ranks_t
+
+
+def _kept_ranks(path: Path, vocab_size: int) -> Tensor | None:
+    """The ranks kept at ``path`` where they are whole (an ordering of all ``vocab_size`` ids);
+    None where there are none, or they were damaged (then said and removed)."""
+    seen = None
+    try:
+        with open(path, "rb") as fh:
+            seen = os.fstat(fh.fileno())
+            ranks = np.load(fh, allow_pickle=False)
+    except (FileNotFoundError, NotADirectoryError):  # (nothing kept yet, or no cache folder)
+        return None
+    except (OSError, ValueError, EOFError) as exc:  # (an empty file: EOFError)
+        why = f"{'unreadable' if isinstance(exc, OSError) else 'cut short or garbled'}: {kept.one_line(exc)}"
+    else:
+        if not isinstance(ranks, np.ndarray):  # (a zip archive: numpy's .npz)
+            why = "not an array"
+        elif ranks.dtype.kind not in "iu" or ranks.shape != (vocab_size,):
+            why = f"{ranks.dtype} values of shape {ranks.shape}, not {vocab_size} token ids"
+        elif not np.array_equal(np.sort(ranks), np.arange(vocab_size)):
+            why = "not an ordering of the vocabulary"
+        else:
+            return torch.from_numpy(ranks.astype(np.int64))
+    print(f"token ranks in {path} are unusable ({why}); counting them again", file=sys.stderr, flush=True)
+    kept.discard(path, seen)
+    return None
 
 
 class DraftVocab:
