@@ -22,7 +22,8 @@ at the end, or uses a running one (``--endpoint http://127.0.0.1:PORT``; loopbac
 3. After: the server must be idle (no request running or waiting), and the greedy chat prompts
    sent alone again must still give the alone answers.
 
-The server's RSS (psutil, by pid: when the script starts the server, or with --pid) is sampled
+The server's RSS (psutil, the pid and its children: when the script starts the server, or with
+--pid) is sampled
 every few seconds with the prefix cache's size from /metrics; growth is from the first sample
 after --warmup seconds of load to the end of the load. The prefix cache holds earlier sequences
 up to its budget (``--prefix-cache-mb``), which grows RSS without being a leak, so the check is on
@@ -52,6 +53,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -71,6 +73,7 @@ import httpx
 import psutil
 
 RESULTS = Path(__file__).resolve().parent / "results" / "soak"
+DEFAULT_MODEL = "qwen-1.5b"
 
 GREEDY_PROMPTS = (
     "Name three primary colors.",
@@ -440,12 +443,21 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
 
 
 def _rss_mb(pid: int | None) -> float | None:
+    """RSS of the process and its children (a --pid of a launcher counts the server under it)."""
     if pid is None:
         return None
     try:
-        return psutil.Process(pid).memory_info().rss / 2**20
+        proc = psutil.Process(pid)
+        tree = [proc, *proc.children(recursive=True)]
     except psutil.Error:
         return None
+    total = 0
+    for p in tree:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # a child that just ended
+            pass
+    return total / 2**20
 
 
 async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
@@ -718,12 +730,11 @@ async def run_soak(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     them."""
     from quickdraft.bench.report import environment
 
-    log_dir = Path(tempfile.mkdtemp(prefix="quickdraft-soak-"))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.endpoint:
         server = Server(_check_loopback(args.endpoint), args.pid)
     else:
-        server = start_server(args, log_dir)
+        server = start_server(args, Path(tempfile.mkdtemp(prefix="quickdraft-soak-")))
     exit_code = None
     try:
         limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
@@ -759,8 +770,11 @@ async def run_soak(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                      environment())
     # the machine's other work slows the answers (not the checks): 1/5/15-minute load averages
     report["environment"]["load_average"] = {"before": load_average[0], "after": load_average[-1]}
-    out = Path(args.out_dir) / f"{args.name}.json"
+    out = Path(args.out_dir) / f"{args.name or _default_name(args, model)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if server.log_path is not None and report["verdict"] == "PASS":  # the log is kept for a FAIL
+        shutil.rmtree(server.log_path.parent, ignore_errors=True)
+        report["server"]["log"] = None
     out.write_text(json.dumps(report, indent=1))
     print_report(report)
     print(f"saved {out}", flush=True)
@@ -864,6 +878,7 @@ def _report(args: argparse.Namespace, argv: list[str], soak: Soak, server: Serve
             "metrics_after_load": metrics,
             "exit_code": exit_code,
             "log_tail": log[-4000:] if tracebacks or not clean_exit else None,
+            "log": str(server.log_path) if server.log_path else None,  # kept when FAIL
         },
         "checks": checks,
         "verdict": "PASS" if all(checks.values()) else "FAIL",
@@ -901,6 +916,8 @@ def print_report(report: dict[str, Any]) -> None:
           f"({m['growth_pct']}%; peak {m['peak_mb']} MB); prefix cache {m['prefix_cache_start_mb']} "
           f"-> {m['prefix_cache_end_mb']} MB; net of it {m['growth_net_of_prefix_cache_pct']}%")
     s = report["server"]
+    if s["log"]:
+        print(f"server log: {s['log']}")
     print(f"server idle after the load: {s['idle_after_load']} (cancelled "
           f"{s['metrics_after_load'].get('quickdraft_requests_cancelled_total')}, failed "
           f"{s['metrics_after_load'].get('quickdraft_requests_failed_total')})")
@@ -911,7 +928,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen-1.5b", help="model to serve (default: qwen-1.5b)")
+    ap.add_argument("--model", default=None, help=f"model to serve (default: {DEFAULT_MODEL})")
     ap.add_argument("--draft", default=None, help="--draft for quickdraft serve (default: its default)")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default: 16)")
     ap.add_argument("--duration", type=float, default=600, help="seconds of load (default: 600)")
@@ -923,7 +940,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--pid", type=int, default=None, help="with --endpoint: the server's pid, for RSS")
     ap.add_argument("--api-key", default=os.environ.get("QUICKDRAFT_API_KEY"),
                     help="with --endpoint: the server's key (default: $QUICKDRAFT_API_KEY)")
-    ap.add_argument("--name", default=None, help="result file name (default: model-Nc-Ds)")
+    ap.add_argument("--name", default=None,
+                    help="result file name (default: MODEL-Nc-Ds, the served model's name with --endpoint)")
     ap.add_argument("--out-dir", default=str(RESULTS), help="where the JSON goes")
     ap.add_argument("--server-args", default="",
                     help="extra arguments for quickdraft serve, one string (e.g. '--threads 2')")
@@ -940,14 +958,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--clients, --duration and --max-tokens must be positive")
     if args.endpoint:
         _check_loopback(args.endpoint)
+        if args.model or args.draft or args.server_args:
+            ap.error("--model, --draft and --server-args are for a server this script starts")
     elif args.pid is not None:
         ap.error("--pid goes with --endpoint (a server this script starts is measured by its pid)")
+    else:
+        args.model = args.model or DEFAULT_MODEL
     if args.warmup is None:
         args.warmup = min(60.0, args.duration / 5)
-    if args.name is None:
-        model = Path(args.model).name.removesuffix(".gguf")
-        args.name = f"{model}-{args.clients}c-{args.duration:g}s"
     return args
+
+
+def _default_name(args: argparse.Namespace, served: str) -> str:
+    model = Path(args.model or served).name.removesuffix(".gguf")
+    return f"{model}-{args.clients}c-{args.duration:g}s"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ def test_endpoint_must_be_loopback() -> None:
     assert soak._check_loopback("http://[::1]:9") == "http://[::1]:9"
     with pytest.raises(SystemExit):  # --pid measures a running server only
         soak.parse_args(["--pid", "1"])
+    with pytest.raises(SystemExit):  # the running server's model is what it serves
+        soak.parse_args(["--endpoint", "http://127.0.0.1:8123", "--model", "smollm2"])
+    assert soak.parse_args([]).model == "qwen-1.5b" and args.model is None
 
 
 def test_compare_counts_a_different_answer() -> None:
@@ -109,6 +112,7 @@ def test_soak_run(smollm2_gguf: Path, tmp_path: Path) -> None:
     # a client that closes its stream cancels the generation on the server, and none is left over
     server = report["server"]
     assert server["idle_after_load"] and server["exit_code"] in (0, -signal.SIGTERM)
+    assert server["log"] is None  # the server's log is kept only when the run fails
     metrics = server["metrics_after_load"]
     assert metrics["quickdraft_requests_cancelled_total"] == clients * expected["disconnect"]
     assert metrics["quickdraft_requests_failed_total"] == 0
