@@ -14,11 +14,39 @@ import pytest
 import torch
 
 from quickdraft import zoo
+from quickdraft.hardware import Load
 
 # Kernel tuning times candidate settings at each model's first start (seconds per model); every
 # setting computes the same bits (tests/test_tuning.py proves it and runs the tuner itself), so
 # the other tests, and the servers they start, keep the defaults instead of paying for it.
 os.environ.setdefault("QUICKDRAFT_TUNE", "0")
+
+
+class FakeWatch:
+    """A LoadWatch (quickdraft.hardware) of a machine as busy as ``others`` says: the cores other
+    programs keep busy while something is measured. 0 unless a test sets it."""
+
+    others = 0.0
+
+    def start(self) -> FakeWatch:
+        return self
+
+    def load(self) -> Load:
+        return Load(FakeWatch.others, 2)
+
+
+@pytest.fixture(autouse=True)
+def machine_load(monkeypatch: pytest.MonkeyPatch) -> type[FakeWatch]:
+    """The kernel tuner and the pass-cost measurement see a quiet machine, whatever else the test
+    machine runs (they keep nothing measured while others load the CPUs); a test makes it busy with
+    ``machine_load.others = 1.2``. tests/test_tuning.py tests the real LoadWatch."""
+    from quickdraft.assemble import pass_costs
+    from quickdraft.kernels import tuning
+
+    monkeypatch.setattr(FakeWatch, "others", 0.0)
+    monkeypatch.setattr(tuning, "LoadWatch", FakeWatch)
+    monkeypatch.setattr(pass_costs, "LoadWatch", FakeWatch)
+    return FakeWatch
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,6 @@ import torch
 from quickdraft import kept, kernels
 from quickdraft.api import LLM
 from quickdraft.assemble import pass_costs
-from quickdraft.hardware import Load
 from quickdraft.kernels import tuning
 from quickdraft.loading import gguf as gguf_io
 from quickdraft.loading import prepared
@@ -50,20 +49,10 @@ REPORT = re.compile(r"damaged|unusable|unreadable|could not keep|stale")
 MEASURING = re.compile(r"measuring|choosing")
 
 
-class QuietWatch:
-    """A LoadWatch of a quiet machine: measurements are kept whatever else the test machine runs."""
-
-    def start(self) -> QuietWatch:
-        return self
-
-    def load(self) -> Load:
-        return Load(0.0, 2)
-
-
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty cache folder, every kept kind in play (prepared weights for any GGUF, kernel
-    choices for any model, one quick round), a quiet machine; the kernel settings and thread count
+    choices for any model, one quick round), a quiet machine (conftest's machine_load); the kernel settings and thread count
     restored afterwards."""
     folder = tmp_path / "cache"
     folder.mkdir()
@@ -74,9 +63,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(tuning, "MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(tuning, "ROUNDS", 1)
     monkeypatch.setattr(tuning, "SPREAD", float("inf"))
-    monkeypatch.setattr(tuning, "LoadWatch", QuietWatch)
     monkeypatch.setattr(tuning, "recheck", lambda *_a: None)  # (a kept choice: installed as kept)
-    monkeypatch.setattr(pass_costs, "LoadWatch", QuietWatch)
     monkeypatch.setattr(vocab_mod, "stdlib_corpus", lambda max_chars=0: ["def f(x):\n    return x + 1\n" * 30])
     mod = active_kernels()
     saved = [mod.tuning(c) for c in range(3)], kernels.isa(), torch.get_num_threads()

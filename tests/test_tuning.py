@@ -13,7 +13,7 @@ import torch
 from test_kernels import BLOCK_FORMATS, random_raw
 
 from quickdraft import kernels
-from quickdraft.hardware import Load, LoadWatch
+from quickdraft.hardware import LoadWatch
 from quickdraft.kernels import tuning
 from quickdraft.loading.load import load_model
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_multi
@@ -70,23 +70,9 @@ def test_set_tuning_validates_and_reports(restore_tuning) -> None:
     assert all(mod.tuning_problem(*s) == "" for c in (tuning.DEFAULTS, *tuning.CANDIDATES) for s in c)
 
 
-class FakeWatch:
-    """A LoadWatch whose machine is as busy as ``others`` says (cores other programs keep busy)."""
-
-    others = 0.0
-
-    def start(self) -> FakeWatch:
-        return self
-
-    def load(self) -> Load:
-        return Load(FakeWatch.others, 2)
-
-
 @pytest.fixture()
 def quiet(monkeypatch):
-    """A quiet machine and timings without scatter (a tiny model's microsecond passes scatter)."""
-    monkeypatch.setattr(FakeWatch, "others", 0.0)
-    monkeypatch.setattr(tuning, "LoadWatch", FakeWatch)
+    """Timings without scatter (a tiny model's microsecond passes scatter), a tiny model tuned."""
     monkeypatch.setattr(tuning, "SPREAD", float("inf"))
     monkeypatch.setattr(tuning, "ROUNDS", 2)
     monkeypatch.setattr(tuning, "MIN_WEIGHT_BYTES", 0)  # (a tiny model: normally too small to tune)
@@ -180,7 +166,8 @@ def _noisy_timer(monkeypatch) -> None:
     monkeypatch.setattr(tuning, "_timer", timer)
 
 
-def test_a_busy_machine_keeps_the_defaults_and_says_so(tmp_path: Path, monkeypatch, restore_tuning, quiet) -> None:
+def test_a_busy_machine_keeps_the_defaults_and_says_so(tmp_path: Path, monkeypatch, restore_tuning, quiet,
+                                                        machine_load) -> None:
     """Others keeping the CPUs busy during the race, or timings that scatter: the defaults run,
     nothing is kept, the start-up line says why; the next quiet start measures and keeps."""
     mod = restore_tuning
@@ -190,14 +177,14 @@ def test_a_busy_machine_keeps_the_defaults_and_says_so(tmp_path: Path, monkeypat
     isa_default = "avx512vnni" if kernels.cpu_runs("avx512vnni") else "avx2"
     for cls in range(3):  # (something other than the defaults installed before)
         mod.set_tuning(cls, *tuning.CANDIDATES[cls][0])
-    monkeypatch.setattr(FakeWatch, "others", 1.2)
+    machine_load.others = 1.2
     busy = tuning.tune(model, model_path, lambda _m: None, store)
     assert busy is not None and busy.fresh and not busy.keep
     assert busy.settings == tuning.DEFAULTS and busy.isa == isa_default == kernels.isa()
     assert [mod.tuning(c) for c in range(3)] == list(tuning.DEFAULTS)
     assert "not kept: other programs kept 1.20 of 2 cores busy" in busy.line()
     assert not store.exists()
-    monkeypatch.setattr(FakeWatch, "others", 0.0)  # quiet again, but the timer scatters
+    machine_load.others = 0.0  # quiet again, but the timer scatters
     monkeypatch.setattr(tuning, "SPREAD", 1.25)
     monkeypatch.setattr(tuning, "ROUNDS", 7)
     _noisy_timer(monkeypatch)
@@ -229,7 +216,7 @@ def test_load_watch_counts_other_processes_not_its_own() -> None:
 
 
 def test_a_kept_choice_worse_than_the_defaults_now_is_replaced(tmp_path: Path, monkeypatch, restore_tuning,
-                                                                 quiet) -> None:
+                                                                 quiet, machine_load) -> None:
     """At each start the kept choice runs a few rounds against the defaults; where the defaults
     are clearly faster now, the choice is measured anew and the line says it was replaced. A
     choice that holds (or a busy re-check, which cannot tell) is installed as kept."""
@@ -260,6 +247,6 @@ def test_a_kept_choice_worse_than_the_defaults_now_is_replaced(tmp_path: Path, m
     for others in (0.0, 1.5):
         store.write_text(json.dumps({tuning.tuning_key(model_path): {
             "measured": time.time(), "isa": isa_default, "settings": [list(s) for s in good]}}))
-        monkeypatch.setattr(FakeWatch, "others", others)
+        machine_load.others = others
         held = tuning.tune(model, model_path, lambda _m: None, store)
         assert held is not None and not held.fresh and held.settings == good and mod.tuning(0) == good[0]
