@@ -14,6 +14,7 @@ from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad, run_alone
+from quickdraft.speculative.draft_model import MAX_CATCH_UP, DraftModelDrafter
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import (
     CONFIDENT_K,
@@ -525,3 +526,63 @@ def test_auto_under_load_neither_probes_a_model_drafter_nor_observes_pass_times(
     assert auto._chosen is behind and draft.k == PROBE_K
     auto.commit(torch.tensor([1, 2, 3]), 0)
     assert set(cost.seconds) == set(LOADED) | {PROBE_K + 1}
+
+
+def _read_priced(tiny: tuple[LoadedModel, list[int], list[int]], prompt: list[int], max_tokens: int,
+                 draft_pass: float) -> tuple[AutoDrafter, DraftModelDrafter, list[int]]:
+    """A draft model (the target itself, a window of 16 prompt tokens) under the cost model with
+    scripted costs: target passes 0.1 s for 1 row, drafting 80% accepted; its own passes
+    ``draft_pass`` s for one row, 8 ms more per row. Returns the auto drafter after one answer."""
+    loaded, _, _ = tiny
+    drafter = DraftModelDrafter(loaded.model, loaded.config.vocab_size, eager=True, prefill_window=16)
+    own = FrozenCost({1: draft_pass, 16: draft_pass + 0.008 * 15})
+    cand = Candidate(drafter, Acceptance(0.8, 8), draft_pass, cheap=False, pass_cost=own)
+    auto = AutoDrafter([cand], FrozenCost({1: 0.1, 2: 0.105, 4: 0.115, 8: 0.135, 16: 0.175}))
+    engine = Engine(loaded.model, loaded.tokenizer)
+    steps = list(engine.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), auto, 8))
+    return auto, drafter, [t for s in steps for t in s.token_ids]
+
+
+def test_a_draft_models_prompt_read_is_paid_only_where_it_pays_back(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    """Before a draft model reads a long prompt, the cost model weighs the read (its own pass
+    costs for the rows it would read) against what it saves per token over the answer (the
+    requested max_tokens, at most twice what answers bring): a short answer stands it down (it
+    reads only its last 16 tokens when first used), a long one pays for the read; the output is
+    plain decoding's either way."""
+    loaded, prompt, truth = tiny
+    long_prompt = (prompt * 8)[:200]
+    want = [t for s in Engine(loaded.model, loaded.tokenizer).generate(
+        long_prompt, SamplingParams(max_tokens=48, ignore_eos=True)) for t in s.token_ids]
+    # the read: max(16, 199 // 4) = 49 rows, 0.03 + 0.008 * 48 = 0.41 s; drafting saves ~0.029 s a token
+    short, drafter, ids = _read_priced(tiny, long_prompt, 4, draft_pass=0.03)
+    assert ids == want[:4]
+    assert short.stand_downs == ["draft: its 49-token prompt read would not pay back"]
+    assert all(p >= 200 - MAX_CATCH_UP for p in drafter.slot_positions)  # at most the last tokens, when used
+    long, drafter, ids = _read_priced(tiny, long_prompt, 48, draft_pass=0.03)
+    assert ids == want and long.stand_downs == []
+    assert drafter.slot_positions[:2] == [200 - 1 - 49, 200 - 49]  # the prompt's last 49 tokens, read at prefill
+    # what answers bring bounds the payback: after short answers, a long max_tokens alone does not pay
+    long.answer_tokens = 2.0
+    long.candidates[0].seconds_per_token = 0.03  # (the tiny model's measured passes took its place)
+    assert not long._read_pays(long.candidates[0], 149, 10_000)
+    assert long._read_pays(long.candidates[0], 2, 10_000)
+
+
+def test_a_deferred_prompt_read_reads_what_a_loaded_one_does(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    """prompt_read says what prefill would read (0 once deferred, or under load, or for a short prompt)."""
+    loaded, prompt, _ = tiny
+    drafter = DraftModelDrafter(loaded.model, loaded.config.vocab_size, eager=True, prefill_window=16)
+    ids = torch.tensor((prompt * 8)[:200])
+    assert drafter.prompt_read(ids) == 49
+    assert drafter.prompt_read(ids[:10]) == 9
+    drafter.join(PassLoad(sequences=1, rows=2, draft_seconds=0.0, tokens=1.0))
+    assert drafter.prompt_read(ids) == 0
+    drafter.join(ALONE)
+    drafter.defer_prompt()
+    drafter.prefill(ids, SamplingParams())
+    assert drafter.cache.length == 0 and drafter.pending == ids[-MAX_CATCH_UP:].tolist()
+    assert drafter.prompt_read(ids) == 49  # (deferred for one prefill only)

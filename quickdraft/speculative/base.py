@@ -227,6 +227,15 @@ class Drafter:
         """Tokens its own model has yet to read before it can draft (0: none)."""
         return 0
 
+    def prompt_read(self, prompt_ids: Tensor) -> int:
+        """Rows its own model would read at ``prefill(prompt_ids)`` (0: it reads none): what the
+        cost model weighs before the read is paid (see :meth:`defer_prompt`)."""
+        return 0
+
+    def defer_prompt(self) -> None:
+        """Read no prompt at the next ``prefill``: the first proposal reads the last
+        ``max_catch_up`` tokens instead (the cost model found the read would not pay back)."""
+
     def parts(self) -> list[Drafter]:
         """The drafters this one chooses among ([] for a drafter that drafts itself)."""
         return []

@@ -183,6 +183,7 @@ class DraftModelDrafter(Drafter):
         self._proposed: Tensor | None = None
         self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
         self.load = ALONE  # what the other sequences of the engine's batch bring to its pass
+        self._deferred = False  # the next prefill reads no prompt (defer_prompt)
 
     def join(self, load: PassLoad) -> None:
         self.load = load
@@ -216,24 +217,43 @@ class DraftModelDrafter(Drafter):
         if self.vocab is not None:
             self.vocab.apply(self.model, prompt_ids)
         ids = prompt_ids.tolist()
-        keep = self._valid_slots(ids)
+        keep, start, skip, read = self._plan_read(ids)
         self._truncate(keep)
-        start = self.slot_positions[-1] + 1 if keep else 0  # the first position not read
-        self.offset = start - keep
-        self.pending = ids[start:]
+        self.offset = start + skip - keep
+        self.pending = ids[start + skip:]
         self._proposed = None
-        if self.load.sequences and len(self.pending) > MAX_CATCH_UP:
-            # Other sequences wait for whatever this prefill reads: under load the prompt is left to
-            # the first proposal, which reads only its last MAX_CATCH_UP tokens (a capped catch-up).
-            skip = len(self.pending) - MAX_CATCH_UP
-            self.offset, self.pending = self.offset + skip, self.pending[skip:]
-        elif self.eager and len(self.pending) > 1:
-            rest = len(self.pending) - 1  # the last prompt token is read by the first proposal
-            if self.prefill_window is not None and rest > self.prefill_window:
-                skip = rest - max(self.prefill_window, rest // 4)
-                self.offset, self.pending = self.offset + skip, self.pending[skip:]
+        self._deferred = False
+        if read:
             self._read(self.pending[:-1])
             self.pending = self.pending[-1:]
+
+    def _plan_read(self, ids: list[int]) -> tuple[int, int, int, bool]:
+        """How ``prefill(ids)`` goes: the cache slots it keeps, the first position not held, the
+        prompt tokens it skips after that, and whether it reads the rest (all but the last token,
+        which the first proposal reads) now."""
+        keep = self._valid_slots(ids)
+        start = self.slot_positions[keep - 1] + 1 if keep else 0
+        pending = len(ids) - start
+        if (self.load.sequences or self._deferred) and pending > MAX_CATCH_UP:
+            # Other sequences would wait for whatever this prefill reads (or the cost model found
+            # the read would not pay back): the prompt is left to the first proposal, which reads
+            # only its last MAX_CATCH_UP tokens (a capped catch-up).
+            return keep, start, pending - MAX_CATCH_UP, False
+        if self.eager and pending > 1:
+            rest = pending - 1  # the last prompt token is read by the first proposal
+            skip = 0
+            if self.prefill_window is not None and rest > self.prefill_window:
+                skip = rest - max(self.prefill_window, rest // 4)
+            return keep, start, skip, True
+        return keep, start, 0, False
+
+    def prompt_read(self, prompt_ids: Tensor) -> int:
+        """Rows ``prefill(prompt_ids)`` would read now (the slots it holds that agree are kept)."""
+        keep, start, skip, read = self._plan_read(prompt_ids.tolist())
+        return max(0, len(prompt_ids) - start - skip - 1) if read else 0
+
+    def defer_prompt(self) -> None:
+        self._deferred = True
 
     def _valid_slots(self, ids: list[int]) -> int:
         """How many leading cache slots hold the token ``ids`` has at their position (the last
