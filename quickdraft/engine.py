@@ -285,7 +285,8 @@ class Engine:
         self.graphs = make_step_graphs(model, self.lanes[0], cuda_graphs if max_sequences == 1 else "off", warn=warn)
         self.running: list[Generation] = []
         self._free = list(range(max_sequences))
-        self.last_pass_rows = 0  # rows of the last step's pass
+        self.last_pass_rows = 0  # rows of the last step's pass ...
+        self.last_pass_seconds = 0.0  # ... and its seconds
 
     @property
     def cache(self) -> KVCache:
@@ -425,7 +426,7 @@ class Engine:
         self.last_pass_rows = sum(p.rows for p in parts)
         t0 = time.perf_counter()
         outputs = self._forward(parts)
-        seconds = time.perf_counter() - t0
+        seconds = self.last_pass_seconds = time.perf_counter() - t0
         for part, (logits, features) in zip(parts, outputs, strict=True):
             part.gen.rows, part.gen.draft_seconds, part.gen.emitted = part.rows, part.draft_seconds, 0
             try:
@@ -494,10 +495,10 @@ class Engine:
             left -= n
         return parts
 
-    @staticmethod
-    def _tell_load(gens: list[Generation]) -> None:
+    def _tell_load(self, gens: list[Generation]) -> None:
         """Tell each drafter what the other generations brought to the last pass (the one its next
-        draft joins is much like it): their rows, drafting seconds and emitted tokens."""
+        draft joins is much like it): their rows, drafting seconds and emitted tokens, and the
+        pass's rows and seconds as a whole."""
         rows = sum(g.rows for g in gens)
         seconds = sum(g.draft_seconds for g in gens)
         tokens = sum(g.emitted for g in gens)
@@ -507,7 +508,8 @@ class Engine:
             if len(gens) == 1:
                 g.drafter.join(ALONE)
             else:
-                g.drafter.join(PassLoad(len(gens) - 1, rows - g.rows, seconds - g.draft_seconds, tokens - g.emitted))
+                g.drafter.join(PassLoad(len(gens) - 1, rows - g.rows, seconds - g.draft_seconds, tokens - g.emitted,
+                                        self.last_pass_rows, self.last_pass_seconds))
 
     def _prefill_part(self, gen: Generation, n: int) -> _Part:
         s, e = gen.computed, gen.computed + n

@@ -586,3 +586,48 @@ def test_a_deferred_prompt_read_reads_what_a_loaded_one_does(
     drafter.prefill(ids, SamplingParams())
     assert drafter.cache.length == 0 and drafter.pending == ids[-MAX_CATCH_UP:].tolist()
     assert drafter.prompt_read(ids) == 49  # (deferred for one prefill only)
+
+
+class SureDrafter(EchoDrafter):
+    """A cheap drafter always proposing k tokens it expects to be accepted half the time."""
+
+    name = "sure"
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + sum(0.5 ** j for j in range(1, k + 1))
+
+    def forks(self, count: int) -> list[Drafter]:
+        return [SureDrafter(self.truth) for _ in range(count)]
+
+
+def test_under_load_a_draft_row_costs_what_passes_of_many_cost() -> None:
+    """Under load a draft is priced on the curve of the engine's whole passes (learned from what
+    each join reports, shared by the forks, each pass counted once): where a row added to four
+    sequences' pass costs 20% of it, the drafts stop; where rows are cheap, they stay. The alone
+    curve is left as it was."""
+    alone = {1: 0.10, 2: 0.102, 4: 0.106, 8: 0.114, 16: 0.13}
+    truth = list(range(100, 160))
+    auto = AutoDrafter([Candidate(SureDrafter(truth), Acceptance(0.5, 8), 0.0, cheap=True)], TargetCost(dict(alone)))
+    forks = [auto, *auto.forks(3)]
+    assert all(f.shared_cost is auto.shared_cost and f.cost is auto.cost for f in forks)
+
+    def k_under(pass_seconds: dict[int, float]) -> int:
+        for _ in range(60):  # each of the four sequences reports each pass
+            for rows, seconds in pass_seconds.items():
+                for f in forks:
+                    f.join(PassLoad(3, rows - 1, 0.0, 3.0, pass_rows=rows, pass_seconds=seconds))
+        auto.join(PassLoad(3, 3, 0.0, 3.0))
+        return run_alone(auto._choose(8))[1].k
+
+    assert run_alone(auto._choose(8))[1].k > 0  # alone: rows are cheap
+    assert k_under({4: 0.10, 5: 0.12, 6: 0.14, 8: 0.18, 12: 0.26}) == 0  # 20% of a pass per row: no draft
+    assert auto.shared_cost(4) == pytest.approx(0.10, rel=0.05)
+    assert k_under({4: 0.10, 5: 0.101, 6: 0.102, 8: 0.104, 12: 0.108}) > 0  # 1% per row: drafts again
+    assert auto.cost.seconds == alone
+    # one pass reported by four sequences moves the curve as one observation would
+    one = TargetCost({4: 0.1})
+    one.observe(4, 0.2)
+    shared = AutoDrafter([], TargetCost({4: 0.1}))
+    for f in [shared, *shared.forks(3)]:
+        f.join(PassLoad(3, 3, 0.0, 3.0, pass_rows=4, pass_seconds=0.2))
+    assert shared.shared_cost(4) == pytest.approx(one(4), rel=0.02)

@@ -68,6 +68,10 @@ class PassLoad:
     rows: int = 0
     draft_seconds: float = 0.0
     tokens: float = 0.0
+    # The last pass as a whole (every sequence's rows, its seconds): what a row costs in a pass of
+    # many, which the cost model learns from (0: no pass of many ran yet).
+    pass_rows: int = 0
+    pass_seconds: float = 0.0
 
 
 ALONE = PassLoad()

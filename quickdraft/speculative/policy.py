@@ -25,8 +25,12 @@ the whole pass's: with the others' rows R_o, drafting seconds D_o and tokens E_o
 
 so a draft pays only where its tokens per extra second beat what the pass already yields per
 second: extra rows in a pass of many are cheap (n-gram drafts stay), a draft model's passes hold up
-every sequence (they stop). Pass times are then observed by no one (a sequence's wait includes the
-others'), and drafters with a model of their own are not probed.
+every sequence (they stop). c_target is then the curve of passes of many (``shared_cost``, shared by
+the sequences' drafters): learned from the engine's whole passes by their total rows, since a row
+added to four sequences' pass costs more than one added to a pass alone (measured, 1.5B on Sapphire
+Rapids: 4 rows 72 ms, 5 rows 81, 8 rows 99, where one sequence's curve said 73.5 -> 90.5 from 4 to 8
+rows). A sequence's own wait includes the others' rows, so its alone curve is not observed then,
+and drafters with a model of their own are not probed.
 """
 
 from __future__ import annotations
@@ -95,10 +99,11 @@ class TargetCost:
         (r0, s0), (r1, s1) = pts[-2], pts[-1]
         return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, weight: float = 1.0) -> None:
+        """A pass of ``rows`` rows took ``seconds`` (``weight``: its share of one observation)."""
         seconds = max(seconds - self.attention(rows), 0.1 * seconds)  # back to the short-context part
         old = self.seconds.get(rows)
-        now = self.seconds[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        now = self.seconds[rows] = seconds if old is None else (1 - EMA * weight) * old + EMA * weight * seconds
         # Fewer rows never cost more: a start-up measurement inflated by a busy moment (a 1-row
         # pass kept at 1.5x its real time made auto draft where plain decoding was faster, and
         # plain steps, which would correct it, were then rare) is pulled down by what is observed.
@@ -173,9 +178,13 @@ class AutoDrafter(Drafter):
 
     name = "auto"
 
-    def __init__(self, candidates: list[Candidate], cost: TargetCost, fixed_k: int | None = None) -> None:
+    def __init__(self, candidates: list[Candidate], cost: TargetCost, fixed_k: int | None = None,
+                 shared_cost: TargetCost | None = None) -> None:
+        """``cost``: the target's passes alone; ``shared_cost``: its passes of many sequences by
+        their total rows (learned from the engine's passes; default: a copy of ``cost`` to start)."""
         self.candidates = candidates
         self.cost = cost
+        self.shared_cost = shared_cost or TargetCost(dict(cost.seconds))
         self.fixed_k = fixed_k
         self.usage: dict[str, int] = {c.drafter.name: 0 for c in candidates} | {"none": 0}
         self._chosen: Candidate | None = None
@@ -194,6 +203,10 @@ class AutoDrafter(Drafter):
 
     def join(self, load: PassLoad) -> None:
         self._load = load
+        if load.sequences and load.pass_rows:
+            # Every sequence in the pass observes it (the forks share this curve): each with a
+            # 1/n share of the weight, so a pass counts once.
+            self.shared_cost.observe(load.pass_rows, load.pass_seconds, weight=1.0 / (load.sequences + 1))
         for c in self.candidates:
             c.drafter.join(load)
 
@@ -286,7 +299,8 @@ class AutoDrafter(Drafter):
     def _choose(self, budget: int) -> Steps[tuple[Candidate | None, Draft | DraftTree]]:
         self._set_context()
         load = self._load
-        plain = pass_rate(self.cost, load, 1.0, 1, 0.0)
+        cost = self.shared_cost if load.sequences else self.cost  # (shared: what a row adds to a pass of many)
+        plain = pass_rate(cost, load, 1.0, 1, 0.0)
         best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (plain, None, 0, None)
         free = best  # the best among proposals already made (cheap drafters)
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
@@ -302,12 +316,12 @@ class AutoDrafter(Drafter):
                 # lookup from its match length) and already paid for drafting it: take the prefix
                 # with the best estimate per target pass.
                 k, rate = max(
-                    ((j, pass_rate(self.cost, load, c.drafter.expected_tokens(j) or 0.0, j + 1, 0.0))
+                    ((j, pass_rate(cost, load, c.drafter.expected_tokens(j) or 0.0, j + 1, 0.0))
                      for j in range(1, limit + 1)),
                     key=lambda x: x[1],
                 )
             else:
-                k, rate = best_k(self.cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds, load)
+                k, rate = best_k(cost, c, limit, self._catch_up_seconds(c) + c.extra_seconds, load)
             if c.idle > c.probe_every and limit > 0 and (c.cheap or not load.sequences):
                 stale.append((c.idle, c, min(PROBE_K, limit), preview))
             if k > 0 and rate > best[0]:
@@ -392,7 +406,7 @@ class AutoDrafter(Drafter):
         """Forks of the candidates under the same cost model; acceptance statistics are shared."""
         twins = [c.drafter.forks(count) for c in self.candidates]
         return [AutoDrafter([dataclasses.replace(c, drafter=t[i]) for c, t in zip(self.candidates, twins, strict=True)],
-                            self.cost, self.fixed_k) for i in range(count)]
+                            self.cost, self.fixed_k, self.shared_cost) for i in range(count)]
 
 
 def _cut(draft: Draft | DraftTree, k: int) -> Draft | DraftTree:
