@@ -23,6 +23,8 @@ from quickdraft.bench import datasets, runner
 from quickdraft.bench.metrics import (
     Record,
     acceptance_by_position,
+    decisions,
+    describe_decisions,
     fill_speedups,
     percentile,
     request_metrics,
@@ -514,7 +516,7 @@ def test_bench_end_to_end_smollm2(
     )
     out = tmp_path / "out"
     argv = (
-        "bench --model smollm2 --methods none,ngram --max-tokens 16 --num-draft 4 --dtype bfloat16"
+        "bench --model smollm2 --methods none,ngram --max-tokens 16 --dtype bfloat16"
     )
     rc = main([*argv.split(), "--dataset", str(prompts), "--out", str(out), "--no-progress"])
     assert rc == 0
@@ -562,7 +564,30 @@ def test_bench_end_to_end_smollm2(
 
     image = matplotlib.image.imread(str(out / "bench.png"))
     assert image.shape[0] > 300 and image.shape[1] > 600
-    assert "ngram" in capsys.readouterr().out  # the terminal table
+    # the cost model's decisions: steps and drafting seconds by drafter, stand-downs, for each request
+    decided = report["summary"]["ngram"]["decisions"]
+    steps = sum(r["extra"]["usage"].get("ngram", 0) + r["extra"]["usage"]["none"] for r in records if r["method"] == "ngram")
+    assert sum(decided["steps"].values()) == steps > 0 and decided["drafting_seconds"]["ngram"] >= 0
+    assert decided["stand_downs"] == {} and report["summary"]["none"]["decisions"] is None
+    assert "- cost model, ngram: " in md
+    out_text = capsys.readouterr().out
+    assert "ngram" in out_text and "cost model, ngram: " in out_text  # the terminal table and its line
+
+
+def test_cost_model_decisions_pool_the_requests() -> None:
+    def record(extra: dict) -> Record:
+        return Record("auto", 0, "p", 0, None, 10, 5, 0.1, 0.5, 0.4, 10.0, "stop", extra=extra)
+
+    rows = [record({"usage": {"ngram": 3, "draft": 1, "none": 2}, "drafting_seconds": {"ngram": 0.01, "draft": 0.2},
+                    "stand_downs": ["draft: its prompt read would not pay back (720 tokens)"]}),
+            record({"usage": {"ngram": 1, "draft": 0, "none": 5}, "drafting_seconds": {"ngram": 0.02, "draft": 0.0},
+                    "stand_downs": ["draft: its prompt read would not pay back (15 tokens)"]})]
+    d = decisions(rows)
+    assert d == {"steps": {"ngram": 4, "draft": 1, "none": 7}, "drafting_seconds": {"ngram": 0.03, "draft": 0.2},
+                 "stand_downs": {"draft: its prompt read would not pay back": 2}}
+    assert describe_decisions(d) == ("ngram 4 steps (0.03 s drafting), draft 1 steps (0.20 s drafting), none 7 steps; "
+                                     "stood down: draft: its prompt read would not pay back x2")
+    assert decisions([record({})]) is None
 
 
 # --------------------------------------------------------------------------------------------

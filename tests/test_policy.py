@@ -558,7 +558,7 @@ def test_a_draft_models_prompt_read_is_paid_only_where_it_pays_back(
     # the read: max(16, 199 // 4) = 49 rows, 0.03 + 0.008 * 48 = 0.41 s; drafting saves ~0.029 s a token
     short, drafter, ids = _read_priced(tiny, long_prompt, 4, draft_pass=0.03)
     assert ids == want[:4]
-    assert short.stand_downs == ["draft: its 49-token prompt read would not pay back"]
+    assert short.stand_downs == ["draft: its prompt read would not pay back (49 tokens)"]
     assert all(p >= 200 - MAX_CATCH_UP for p in drafter.slot_positions)  # at most the last tokens, when used
     long, drafter, ids = _read_priced(tiny, long_prompt, 48, draft_pass=0.03)
     assert ids == want and long.stand_downs == []

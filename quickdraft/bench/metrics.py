@@ -200,4 +200,32 @@ def summarize_method(records: Sequence[Record]) -> dict[str, Any]:
         "peak_rss_mb": max(rss) if rss else None,
         "by_turn": by_turn(records),
         "same_as_baseline": f"{sum(same)}/{len(same)}" if same else None,
+        "decisions": decisions(records),
     }
+
+
+def decisions(records: Sequence[Record]) -> dict[str, Any] | None:
+    """What the cost model decided over ``records`` (auto drafters only; None otherwise): steps and
+    drafting seconds by drafter ("none": plain steps) and the stand-downs by kind, with counts."""
+    steps: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    downs: dict[str, int] = {}
+    for r in records:
+        for key, n in r.extra.get("usage", {}).items():
+            steps[key] = steps.get(key, 0) + int(n)
+        for key, t in r.extra.get("drafting_seconds", {}).items():
+            seconds[key] = round(seconds.get(key, 0.0) + float(t), 4)
+        for why in r.extra.get("stand_downs", []):
+            kind = str(why).split(" (")[0]
+            downs[kind] = downs.get(kind, 0) + 1
+    if not steps:
+        return None
+    return {"steps": steps, "drafting_seconds": seconds, "stand_downs": downs}
+
+
+def describe_decisions(d: dict[str, Any]) -> str:
+    """One line of :func:`decisions`: steps and drafting seconds by drafter, then the stand-downs."""
+    parts = [f"{k} {n} steps" + (f" ({d['drafting_seconds'][k]:.2f} s drafting)" if k in d["drafting_seconds"] else "")
+             for k, n in d["steps"].items()]
+    downs = "; ".join(f"{k} x{n}" for k, n in d["stand_downs"].items()) or "none"
+    return f"{', '.join(parts)}; stood down: {downs}"

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from quickdraft import __version__
-from quickdraft.bench.metrics import Record, summarize_method
+from quickdraft.bench.metrics import Record, describe_decisions, summarize_method
 from quickdraft.hardware import cpu_model
 
 SCHEMA = "quickdraft.bench/1"
@@ -193,6 +193,9 @@ def print_table(report: dict[str, Any]) -> None:
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
         console = Console(file=sys.stdout, width=160)
     console.print(table)
+    for name, summary in report["summary"].items():
+        if summary.get("decisions"):
+            console.print(f"cost model, {name}: {describe_decisions(summary['decisions'])}")
 
 
 def markdown(report: dict[str, Any], png_name: str = "bench.png") -> str:
@@ -225,6 +228,9 @@ def markdown(report: dict[str, Any], png_name: str = "bench.png") -> str:
         *_md_table(SUMMARY_HEADER, summary_rows(report)),
         "",
         *([f"- {report['roofline']['line']}", ""] if report.get("roofline") else []),
+        *[f"- cost model, {name}: {describe_decisions(m['decisions'])}"
+          for name, m in report["summary"].items() if m.get("decisions")],
+        "",
         *_md_by_turn(report),
         "## Acceptance by draft position",
         "",

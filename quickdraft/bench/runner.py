@@ -124,6 +124,7 @@ class InProcessContender:
     ) -> Trace:
         ids = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
         usage = self.drafter.usage_counts() if self.drafter is not None else {}
+        spent = self.drafter.drafting_seconds() if self.drafter is not None else {}
         text: list[str] = []
         token_ids: list[int] = []
         chunk_times: list[float] = []
@@ -135,8 +136,13 @@ class InProcessContender:
                 token_ids += step.token_ids
             text.append(step.text)
         assert step is not None
-        after = self.drafter.usage_counts() if self.drafter is not None else {}
-        extra = {"usage": {key: after[key] - usage.get(key, 0) for key in after}} if after else {}
+        extra: dict[str, Any] = {}
+        if self.drafter is not None and (after := self.drafter.usage_counts()):
+            # the cost model's decisions: steps and drafting seconds by drafter, what it stood down
+            extra["usage"] = {key: after[key] - usage.get(key, 0) for key in after}
+            now = self.drafter.drafting_seconds()
+            extra["drafting_seconds"] = {key: round(now[key] - spent.get(key, 0.0), 4) for key in now}
+            extra["stand_downs"] = self.drafter.stood_down()
         return Trace(
             "".join(text),
             t_start,

@@ -248,6 +248,15 @@ class Drafter:
         """Steps by the drafter that proposed them, for drafters that choose among others ({})."""
         return {}
 
+    def drafting_seconds(self) -> dict[str, float]:
+        """Seconds spent drafting so far, by the drafter that drafted, for drafters that choose
+        among others ({})."""
+        return {}
+
+    def stood_down(self) -> list[str]:
+        """The drafters the cost model stood down for the current request, and why ([])."""
+        return []
+
 
 def capture_layers_of(drafter: Drafter | None) -> tuple[int, ...]:
     """The layers ``drafter`` wants features of; () for none."""

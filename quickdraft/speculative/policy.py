@@ -187,6 +187,7 @@ class AutoDrafter(Drafter):
         self.shared_cost = shared_cost or TargetCost(dict(cost.seconds))
         self.fixed_k = fixed_k
         self.usage: dict[str, int] = {c.drafter.name: 0 for c in candidates} | {"none": 0}
+        self.seconds: dict[str, float] = {c.drafter.name: 0.0 for c in candidates}  # drafting, by drafter
         self._chosen: Candidate | None = None
         self._k = 0
         self._depth = 0  # how deep the last proposal reaches (= k for a chain)
@@ -242,7 +243,7 @@ class AutoDrafter(Drafter):
             rows = c.drafter.prompt_read(prompt_ids)
             if rows and not self._read_pays(c, rows, params.max_tokens):
                 c.drafter.defer_prompt()
-                self.stand_downs.append(f"{c.drafter.name}: its {rows}-token prompt read would not pay back")
+                self.stand_downs.append(f"{c.drafter.name}: its prompt read would not pay back ({rows} tokens)")
             c.drafter.prefill(prompt_ids, params, cached=cached)
 
     def _read_pays(self, c: Candidate, rows: int, max_tokens: int) -> bool:
@@ -266,6 +267,12 @@ class AutoDrafter(Drafter):
 
     def usage_counts(self) -> dict[str, int]:
         return dict(self.usage)
+
+    def drafting_seconds(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    def stood_down(self) -> list[str]:
+        return list(self.stand_downs)
 
     def parts(self) -> list[Drafter]:
         return [c.drafter for c in self.candidates]
@@ -306,7 +313,9 @@ class AutoDrafter(Drafter):
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
         for c in self.candidates:
             c.idle += 1
+            t0 = time.perf_counter()
             preview = (yield from c.drafter.drafting(min(budget, c.acceptance.max_k))) if c.cheap else None
+            self.seconds[c.drafter.name] += time.perf_counter() - t0
             limit = min(budget, c.acceptance.max_k, preview.k if preview is not None else budget)
             estimates = preview is not None and c.drafter.expected_tokens(1) is not None
             if self.fixed_k:
@@ -356,6 +365,8 @@ class AutoDrafter(Drafter):
         if preview is None and chosen.drafter.stop_below > 0:
             k = min(budget, max(k, CONFIDENT_K))
         draft = _cut(preview, k) if preview is not None else (yield from chosen.drafter.drafting(k))
+        if preview is None:
+            self.seconds[chosen.drafter.name] += time.perf_counter() - t0
         if preview is None and draft.k and not load.sequences:  # (under load its passes are shared)
             # What this use really cost beyond the model's k * seconds_per_token + catch-up:
             # learned, so a drafter whose real cost is higher stops looking like it pays.
