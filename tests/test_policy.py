@@ -28,6 +28,7 @@ from quickdraft.speculative.policy import (
     best_k,
     measure_pass_seconds,
 )
+from quickdraft.speculative.suffix import BUCKET_PRIORS, SuffixDrafter
 from quickdraft.speculative.verify import Draft
 
 PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
@@ -631,3 +632,20 @@ def test_under_load_a_draft_row_costs_what_passes_of_many_cost() -> None:
     for f in [shared, *shared.forks(3)]:
         f.join(PassLoad(3, 3, 0.0, 3.0, pass_rows=4, pass_seconds=0.2))
     assert shared.shared_cost(4) == pytest.approx(one(4), rel=0.02)
+
+
+def test_a_drafter_that_learns_unused_is_never_probed(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    """Longest-match lookup scores its proposal against every emitted token, used or not: where
+    verification never pays, the cost model does not spend steps probing it (n-gram lookup, which
+    learns only when used, is probed: the test above)."""
+    _, _, truth = tiny
+    lookup = SuffixDrafter()
+    assert lookup.learns_unused and not NGramDrafter().learns_unused
+    auto = AutoDrafter([Candidate(lookup, Acceptance(0.9, 8), 0.0, cheap=True)],
+                       FrozenCost({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}))
+    ids, stats = run_auto(tiny, auto)
+    assert ids == truth and auto.usage["ngram"] == 0 and stats.drafted == 0  # type: ignore[attr-defined]
+    assert auto.usage["none"] >= stats.target_passes - 2  # type: ignore[attr-defined]
+    assert sum(b.rates[0] != p for b, p in zip(lookup.acceptance, BUCKET_PRIORS, strict=True)) > 0  # it learned

@@ -164,6 +164,9 @@ class Drafter:
     stop_below: float = 0.0  # a proposal may end early below this confidence (0: it drafts k)
     max_catch_up: int = 1 << 30  # most missed tokens its catch-up pass reads
     last_token_seconds: float | None = None  # its own one-token pass, measured (None: no model)
+    # Its own estimate (expected_tokens) learns from every committed step, used or not: the cost
+    # model never spends a step probing it.
+    learns_unused: bool = False
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         """Start a request: ``prompt_ids`` [P]. ``params`` shapes q for sampling drafters;

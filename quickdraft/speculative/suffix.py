@@ -138,6 +138,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "ngram"  # the prompt-lookup drafter of --draft ngram / auto
+    learns_unused = True  # (commit scores the proposal it made this step against what was emitted)
 
     def __init__(self, min_match: int = 2) -> None:
         from quickdraft.speculative.policy import Acceptance
