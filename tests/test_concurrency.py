@@ -449,21 +449,26 @@ class LoadRecorder(SuffixDrafter):
 
 def test_the_engine_tells_each_drafter_what_the_others_bring_to_the_pass(model: LoadedModel) -> None:
     """Alone a drafter hears ALONE; beside another sequence it hears that one's rows, drafting
-    seconds and emitted tokens of the last pass (what its own draft competes with)."""
+    seconds and emitted tokens of the last pass (what its own draft competes with), and the last
+    pass's rows and seconds as a whole (what a row costs in a pass of many)."""
     engine = Engine(model.model, model.tokenizer, max_sequences=2)
     a, b = LoadRecorder(), LoadRecorder()
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     ga = engine.add(model.tokenizer.encode(TEXTS[0]), params, a, 3)
     engine.step()  # A alone reads its prompt and emits its first token
     assert a.loads == [ALONE]
+    alone = engine.last_pass_seconds
     gb = engine.add(model.tokenizer.encode(TEXTS[1]), params, b, 3)
     engine.step()  # B's prompt beside A's first draft
-    assert a.loads[-1] == PassLoad(1, 0, 0.0, 0) and b.loads[-1].sequences == 1
+    first = len(model.tokenizer.encode(TEXTS[0]))  # (A's prompt: the last pass, alone)
+    assert a.loads[-1] == PassLoad(1, 0, 0.0, 0, first, alone) and b.loads[-1].sequences == 1
     brought = {g: (g.rows, g.draft_seconds, g.emitted) for g in (ga, gb)}  # by each in the last pass
     assert brought[gb][0] == len(model.tokenizer.encode(TEXTS[1])) and brought[gb][2] == 1  # its prompt, its first token
+    both = (engine.last_pass_rows, engine.last_pass_seconds)
+    assert both[0] == brought[ga][0] + brought[gb][0] and both[1] > 0
     engine.step()
-    assert a.loads[-1] == PassLoad(1, *brought[gb])
-    assert b.loads[-1] == PassLoad(1, *brought[ga])
+    assert a.loads[-1] == PassLoad(1, *brought[gb], *both)
+    assert b.loads[-1] == PassLoad(1, *brought[ga], *both)
 
 
 def test_a_draft_model_under_load_leaves_the_prompt_to_its_first_proposal(model: LoadedModel) -> None:

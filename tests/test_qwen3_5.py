@@ -100,15 +100,25 @@ def test_logits_match_transformers(folders: dict[str, Path], name: str) -> None:
     assert len(ids) > 64  # a pass longer than the batch-invariant blocks, too
     want = reference_logits(ref, ids)
     got = logits(loaded, ids)
-    assert (got[:32] - want[:32]).abs().max() < 1e-4
+    with torch.inference_mode():
+        exact = ref.double()(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+    def close(ours: torch.Tensor) -> bool:
+        """Within 1e-4 (+ 3e-6 of the logit: a few fp32 ulps, since torch's fp32 GEMMs sum in
+        another order on some CPUs: 1.0e-4 at a logit of ~42 on a Sapphire Rapids) of
+        transformers' fp32 logits over the first 32 positions, or at least as close to the
+        float64 computation as transformers' own fp32 run."""
+        if bool(((ours - want[:32]).abs() <= 1e-4 + 3e-6 * want[:32].abs()).all()):
+            return True
+        return bool((ours.double() - exact[:32]).abs().max() <= (want[:32].double() - exact[:32]).abs().max())
+
+    assert close(got[:32])
     cache = loaded.model.new_cache()  # decoded token by token: every step's state carried over
     stepped = torch.cat([logits(loaded, [t], cache) for t in ids[:32]])
-    assert (stepped - want[:32]).abs().max() < 1e-4
+    assert close(stepped)
     # Further on, fp32 rounding in the recurrence grows with the position (the tied head's logits
     # reach ~75 here): there quickdraft must be at least as close to the float64 computation as
     # transformers' own fp32 run.
-    with torch.inference_mode():
-        exact = ref.double()(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
     ours, theirs = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
     assert ours <= max(theirs, 1e-4), (ours, theirs)
 
