@@ -184,6 +184,7 @@ class DraftModelDrafter(Drafter):
         self.last_token_seconds: float | None = None  # cost of the last one-token draft pass
         self.load = ALONE  # what the other sequences of the engine's batch bring to its pass
         self._deferred = False  # the next prefill reads no prompt (defer_prompt)
+        self._vocab_due: Tensor | None = None  # the prompt whose ids the head is cut to at the next draft
 
     def join(self, load: PassLoad) -> None:
         self.load = load
@@ -214,8 +215,10 @@ class DraftModelDrafter(Drafter):
         # stays lossless, a closer one just accepts more).
         self.params = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         self.length = int(prompt_ids.shape[0])
-        if self.vocab is not None:
-            self.vocab.apply(self.model, prompt_ids)
+        # The output head is cut to this prompt's ids when the draft first drafts for it (reading
+        # needs no logits): a cut costs a gather and a repack of the head, which requests the cost
+        # model never drafts for with this model (under load, mostly) do not pay.
+        self._vocab_due = prompt_ids if self.vocab is not None else None
         ids = prompt_ids.tolist()
         keep, start, skip, read = self._plan_read(ids)
         self._truncate(keep)
@@ -298,6 +301,9 @@ class DraftModelDrafter(Drafter):
     def drafting(self, k: int) -> Steps[Draft]:
         if k <= 0 or not self.pending:
             return Draft(tokens=_EMPTY)
+        if self._vocab_due is not None and self.vocab is not None:
+            self.vocab.apply(self.model, self._vocab_due)
+            self._vocab_due = None
         if len(self.pending) > MAX_CATCH_UP and self.cache.length > 0:
             self.offset += len(self.pending) - MAX_CATCH_UP
             self.pending = self.pending[-MAX_CATCH_UP:]
