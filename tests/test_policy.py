@@ -19,6 +19,7 @@ from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import (
     CONFIDENT_K,
     EMA,
+    LOAD_MARGIN,
     PROBE_EVERY,
     PROBE_K,
     Acceptance,
@@ -649,3 +650,20 @@ def test_a_drafter_that_learns_unused_is_never_probed(
     assert ids == truth and auto.usage["ngram"] == 0 and stats.drafted == 0  # type: ignore[attr-defined]
     assert auto.usage["none"] >= stats.target_passes - 2  # type: ignore[attr-defined]
     assert sum(b.rates[0] != p for b, p in zip(lookup.acceptance, BUCKET_PRIORS, strict=True)) > 0  # it learned
+
+
+def test_under_load_a_draft_must_beat_plain_by_a_margin() -> None:
+    """A draft expected to raise the pass's rate by 3% is not made under load (its rows slow every
+    sequence for sure, its tokens are an estimate); one expected to raise it by 8% is."""
+    truth = list(range(100, 160))
+
+    def k_at(five_rows: float) -> int:
+        shared = FrozenCost({4: 0.100, 5: five_rows, 6: 0.125, 7: 0.150, 8: 0.175})
+        auto = AutoDrafter([Candidate(SureDrafter(truth), Acceptance(0.5, 8), 0.0, cheap=True)],
+                           FrozenCost({1: 0.1}), shared_cost=shared)
+        auto.join(PassLoad(3, 3, 0.0, 3.0))  # (no whole pass reported: the shared curve stays)
+        return run_alone(auto._choose(8))[1].k
+
+    assert LOAD_MARGIN > 1.03
+    assert k_at(4.5 / (40 * 1.03)) == 0  # 3 others' tokens + 1.5 expected over cost(5): 3% above 4 / cost(4)
+    assert k_at(4.5 / (40 * 1.08)) == 1

@@ -67,6 +67,7 @@ READ_PAYBACK_ANSWERS = 2
 # ... and must pay back READ_MARGIN times over: the saving is an estimate from acceptance learned on
 # other texts (a 720-token read judged to pay 1.3x over, then drafting a summary: 0.85x plain).
 READ_MARGIN = 2.0
+LOAD_MARGIN = 1.05  # under load, a draft's expected pass rate must beat plain decoding's by this
 
 
 @dataclass
@@ -310,7 +311,9 @@ class AutoDrafter(Drafter):
         self._set_context()
         load = self._load
         cost = self.shared_cost if load.sequences else self.cost  # (shared: what a row adds to a pass of many)
-        plain = pass_rate(cost, load, 1.0, 1, 0.0)
+        # Under load a draft must beat the plain pass by LOAD_MARGIN: its rows slow every sequence
+        # for sure, its tokens are an estimate (break-even drafts lost 5% of 4 users' throughput).
+        plain = pass_rate(cost, load, 1.0, 1, 0.0) * (LOAD_MARGIN if load.sequences else 1.0)
         best: tuple[float, Candidate | None, int, Draft | DraftTree | None] = (plain, None, 0, None)
         free = best  # the best among proposals already made (cheap drafters)
         stale: list[tuple[int, Candidate, int, Draft | DraftTree | None]] = []
