@@ -27,7 +27,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 MAX_ENTRIES = 64  # the most recently measured are kept (tests and experiments add many)
 TEMP_MAX_AGE_S = 60.0  # an older temporary file is no write in progress but a killed one's leftover
@@ -107,13 +107,18 @@ def replace(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            flush_to_disk(fh)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def flush_to_disk(fh: IO[Any]) -> None:
+    """Flush the open file ``fh`` to disk (before it, or its folder, is renamed into place)."""
+    fh.flush()
+    os.fsync(fh.fileno())
 
 
 def remove_stale_temps(path: Path) -> None:

@@ -217,7 +217,7 @@ def measure(model: CausalLM, isas: list[str], say: Callable[[str], None]) -> Cho
 
     mod = active_kernels()
     assert mod is not None
-    say("choosing this machine's kernels for the model (first start with this kernel build) ...")
+    say("choosing this machine's kernels for the model (none kept for this model, machine and kernel build) ...")
     watch = LoadWatch().start()
     timers = _timers(model)
     for cls, default in enumerate(DEFAULTS):

@@ -226,14 +226,14 @@ class Recorder:
                     entries.append({"name": name, **entry, "offset": offset, "nbytes": int(blob.size)})
                     f.write(blob.data)
                     offset += int(blob.size)
-                _synced(f)
+                kept.flush_to_disk(f)
             backend_json, tok_state = tokenizer.to_state()
             index = {"key": k, "config": config.to_json_dict(), "tokenizer": tok_state,
                      "tensors": entries, "weights_bytes": offset}
             for name, text in (("tokenizer.json", backend_json), ("index.json", json.dumps(index))):
                 with open(tmp / name, "w", encoding="utf-8") as f:
                     f.write(text)
-                    _synced(f)
+                    kept.flush_to_disk(f)
             for old in root().iterdir():  # earlier versions of this file; partials left by a crash
                 if old != dest and old != tmp and (_stale_partial(old) if ".partial-" in old.name
                                                    else _key_path(old) == k["path"]):
@@ -248,11 +248,6 @@ class Recorder:
             kept.warn_unkept(root(), f"could not keep prepared weights in {dest} ({kept.one_line(exc)}); "
                                      "the next start reads the GGUF again")
 
-
-def _synced(f: Any) -> None:
-    """Flush the open file ``f`` to disk (before its folder is renamed into place)."""
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def _loaded(model: nn.Module, name: str, quant: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:

@@ -199,7 +199,7 @@ class AutoDrafter(Drafter):
         self._context = 0  # tokens in the target's cache: what a pass's attention reads
         self._load = ALONE  # what the other sequences bring to the next pass
         self.answer_tokens = ANSWER_TOKENS  # what answers bring, on average (updated per request)
-        self._answer: int | None = None  # tokens of the current request's answer so far
+        self._answer = 0  # tokens of the current request's answer so far (0: none started yet)
         self.stand_downs: list[str] = []  # this request's drafters the cost model stood down, and why
         # Feature layers: the union of the candidates', in layer order (see feed).
         self.capture_layers: tuple[int, ...] = tuple(
@@ -234,7 +234,7 @@ class AutoDrafter(Drafter):
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         before = [c.pass_cost(1) if c.pass_cost is not None else 0.0 for c in self.candidates]
-        if self._answer is not None:  # the last request's answer: what the next one may last
+        if self._answer:  # the last request's answer: what the next one may last
             self.answer_tokens = (1 - EMA) * self.answer_tokens + EMA * self._answer
         self._answer = 0
         self._context = len(prompt_ids)
@@ -255,8 +255,8 @@ class AutoDrafter(Drafter):
         the seconds it saves per token (its best rate against plain decoding's, at this context)
         times the tokens the answer may bring (the requested maximum, at most READ_PAYBACK_ANSWERS
         times what answers have brought) must exceed READ_MARGIN times the read (its own pass
-        costs, per row beyond 16 rows as between 8 and 16). Without the read it drafts after a capped catch-up, priced
-        every step. Measured on a 2,878-token module + a question, 128 tokens (Sapphire Rapids, 2
+        costs, per row beyond 16 rows as between 8 and 16). Without the read it drafts after a
+        capped catch-up, priced every step. Measured on a 2,878-token module + a question, 128 tokens (Sapphire Rapids, 2
         threads): the 0.5B's read of 720 tokens took 2.1 s, 0.86x plain decoding's speed."""
         curve = c.pass_cost or self.cost
         read = c.seconds_per_token * curve(rows) / curve(1)
@@ -414,8 +414,7 @@ class AutoDrafter(Drafter):
             c.drafter.commit(tokens, num_accepted if c is self._chosen else 0)
         self._chosen, self._k, self._depth = None, 0, 0
         self._context += int(tokens.numel())
-        if self._answer is not None:
-            self._answer += int(tokens.numel())
+        self._answer += int(tokens.numel())
 
     def reset(self) -> None:
         for c in self.candidates:
