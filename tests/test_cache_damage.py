@@ -1,5 +1,5 @@
 """Kept files that survive damage (quickdraft/kept.py's rules): for every kind of file a start keeps
-in the cache folder (prepared weights, kernel choices, pass costs, token ranks), a garbled,
+in the cache folder (prepared weights, kernel choices, pass costs, token ranks, converted weights), a garbled,
 truncated, empty, wrongly shaped or foreign-version file, a temporary file left by a killed write,
 a read-only cache and a full disk each cost at most one line about that kind, never a failed
 start, and the start answers with the same greedy text as a clean one. A damaged file is removed
@@ -435,3 +435,62 @@ def test_real_model_damaged_cache_answers_the_same(cache: Path, capfd: pytest.Ca
     assert damaged.text == clean.text and len(damaged.reports) == len(KINDS), damaged.reports
     again = start(capfd, smollm2_gguf, draft_vocab=4096)
     assert again.text == clean.text and not again.reports and not again.measured, again
+
+
+# ------------------------------------------------- converted weights (--dtype float32 of a zoo GGUF)
+
+
+def float_start(capfd: pytest.CaptureFixture[str], model: Path) -> Start:
+    """A start of ``model`` on the torch path (``dtype="float32"``: the GGUF dequantized, which a
+    zoo model keeps under converted/), and its greedy answer to PROMPT."""
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(str(model), dtype="float32", max_context=128, threads=1)
+        text = llm.generate(PROMPT, SamplingParams(max_tokens=8))[0].text
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    return Start(text, [], err, [str(w.message) for w in caught if not issubclass(w.category, ResourceWarning)])
+
+
+@pytest.mark.parametrize("how", ["garbled", "truncated", "empty", "foreign", "killed"])
+def test_damaged_converted_weights_are_reported_removed_and_converted_again(
+    cache: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A zoo model's converted copy cut short, garbled, empty, of a foreign config, or a write killed
+    before its rename: one line (none for the killed write, which is never read), the same answer,
+    the copy kept whole again and used by the next start (no GGUF tensors read)."""
+    (cache / "models").mkdir()
+    model = cache / "models" / TINY.name
+    model.write_bytes(TINY.read_bytes())
+    want = float_start(capfd, model)
+    assert not want.reports and not want.warned, want
+    [copy] = (cache / "converted").iterdir()
+    raw = copy.read_bytes()
+    if how == "garbled":
+        copy.write_bytes(b"\xff" * 64 + raw[64:])
+    elif how == "truncated":
+        copy.write_bytes(raw[: len(raw) // 2])
+    elif how == "empty":
+        copy.write_bytes(b"")
+    elif how == "foreign":  # a header whose config another version wrote
+        header_len = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + header_len])
+        header["__metadata__"]["quickdraft.config"] = json.dumps({"layout": "of another version"})
+        new = json.dumps(header).encode().ljust(header_len)
+        assert len(new) == header_len
+        copy.write_bytes(raw[:8] + new + raw[8 + header_len:])
+    else:  # killed between write and rename: a whole-looking temporary file, and no copy
+        stale = copy.with_name(f".{copy.stem}.partial-1.tmp")
+        copy.rename(stale)
+        os.utime(stale, (time.time() - 2 * kept.TEMP_MAX_AGE_S,) * 2)
+    got = float_start(capfd, model)
+    assert got.text == want.text and not got.warned
+    if how == "killed":
+        assert not got.reports and not leftovers(cache)
+    else:
+        [line] = got.reports
+        assert line.startswith("converted weights") and "removed it" in line, line
+    with monkeypatch.context() as m:
+        m.setattr(gguf_io, "iter_tensors", lambda *_a, **_k: pytest.fail("the GGUF was converted again"))
+        again = float_start(capfd, model)
+    assert again.text == want.text and not again.reports and not again.warned

@@ -7,8 +7,8 @@ import ctypes
 import json
 import os
 import re
+import sys
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quickdraft import zoo
+from quickdraft import kept, zoo
 from quickdraft.cache import Q8_0
 from quickdraft.config import DTYPE_CHOICES, KV_DTYPE_CHOICES, ModelConfig
 from quickdraft.errors import QuickdraftError
@@ -131,14 +131,15 @@ def _load_model(spec: str, dtype: str, device: str, max_context: int | None, kv_
     ready: prepared.Prepared | None = None
     dtype = "float32" if quantized else ("bfloat16" if dtype == "auto" else dtype)
     tensors: Iterator[tuple[str, torch.Tensor | QuantTensor | FP8Tensor]]
+    converted = converted_path(path, dtype) if not quantized and _is_zoo_file(path) else None
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = st_io.iter_tensors(path)
         if (fp8 := fp8_format(cfg.extra)) is not None:  # FP8 checkpoint: pair weights with scales
             tensors = fp8_tensors(st_io.iter_tensors(path), fp8)
-    elif not quantized and _is_zoo_file(path) and (converted := converted_path(path, dtype)).is_file():
-        cfg = converted_config(converted)
+    elif converted is not None and (kept_config := converted_config(converted)) is not None:
+        cfg = kept_config
         tokenizer = Tokenizer.from_gguf(path)
         tensors = st_io.iter_file(converted)
     elif quantized and (ready := prepared.open_prepared(path)) is not None:  # mapped, already repacked
@@ -173,8 +174,8 @@ def _load_model(spec: str, dtype: str, device: str, max_context: int | None, kv_
         prepared.set_kernel_layouts(model)  # (else at the first pass)
     if recorder is not None:
         recorder.save(model, cfg, tokenizer)
-    if not quantized and _is_zoo_file(path) and not converted_path(path, dtype).is_file():
-        save_converted(model, cfg, converted_path(path, dtype))
+    if converted is not None and not converted.is_file():
+        save_converted(model, cfg, converted)
     return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - t0)
 
 
@@ -200,22 +201,38 @@ def converted_path(gguf_path: Path, dtype: str) -> Path:
     return zoo.cache_dir() / "converted" / f"{gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}-{dtype}.safetensors"
 
 
-def converted_config(path: Path) -> ModelConfig:
-    meta = st_io.file_metadata(path)
-    return ModelConfig.from_json_dict(json.loads(meta["quickdraft.config"]))
+def converted_config(path: Path) -> ModelConfig | None:
+    """The config kept with the converted weights at ``path``; None where there are none. A damaged
+    file (cut short, garbled, another version's config) is removed, with one line on stderr, and
+    the GGUF is converted again."""
+    if not path.is_file():
+        return None
+    try:
+        meta = st_io.file_metadata(path)
+        return ModelConfig.from_json_dict(json.loads(meta["quickdraft.config"]))
+    except (QuickdraftError, KeyError, TypeError, ValueError) as exc:
+        kept.discard(path)
+        print(f"converted weights {path} are damaged ({kept.one_line(exc)}); removed it, converting again",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def save_converted(model: CausalLM, cfg: ModelConfig, dest: Path) -> None:
-    """Write the loaded weights atomically; a failure (disk full, read-only cache) only warns."""
-    tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
+    """Write the loaded weights whole or not at all (a temporary file beside ``dest``, flushed to
+    disk, renamed over it); a failure (disk full, read-only cache) only warns, once."""
+    tmp = dest.with_name(f".{dest.stem}.partial-{os.getpid()}.tmp")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        kept.remove_stale_temps(dest)
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
         save_file(state, str(tmp), metadata={"quickdraft.config": json.dumps(cfg.to_json_dict())})
+        with open(tmp, "rb+") as fh:
+            kept.flush_to_disk(fh)
         os.replace(tmp, dest)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        warnings.warn(f"could not cache converted weights at {dest}: {exc}", stacklevel=2)
+        kept.warn_unkept(dest.parent, f"could not keep converted weights in {dest.parent} ({kept.one_line(exc)}); "
+                                      "the GGUF is converted again at each start")
 
 
 def _context_length(cfg: ModelConfig, requested: int | None) -> int:
