@@ -12,6 +12,7 @@ cache warm == cold.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,9 @@ from quickdraft.config import ModelConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.qwen3_5 import GatedDeltaNet
 from quickdraft.prefix_cache import PrefixCache
+from quickdraft.quant.ggml import active_kernels, reference_mode
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.mtp import mtp_head
 from quickdraft.speculative.ngram import NGramDrafter
@@ -597,3 +600,74 @@ def test_mtp_with_a_cut_output_vocabulary_stays_lossless(with_mtp: LoadedModel) 
     want = generate(with_mtp, prompt, max_tokens=30, ignore_eos=True, **seeded).ids
     drafter = MTPDrafter(head, with_mtp.model, mode="tree", policy=False, head_seconds=0.0)
     assert generate(with_mtp, prompt, drafter, 4, max_tokens=30, ignore_eos=True, **seeded).ids == want
+
+
+# ------------------------------------------------------------- the native Gated DeltaNet step
+
+
+@pytest.mark.skipif(active_kernels() is None, reason="the native Gated DeltaNet step is one of the CPU kernels")
+@pytest.mark.parametrize("tiled", [False, True])
+def test_native_delta_rows_equal_the_torch_rows_and_each_row_alone(hybrid: LoadedModel, tiled: bool) -> None:
+    """``gated_delta_rows`` (one native call per layer and pass) against the torch rows it replaces,
+    on random inputs and random start states, for a pass holding a chain, a tree and a second
+    sequence: the same results within fp32 rounding. Each row computed alone, handed its parent's
+    state, gives bitwise the row of the pass (batch invariance)."""
+    layer = copy.deepcopy(next(m for m in hybrid.model.modules() if isinstance(m, GatedDeltaNet)))
+    layer.tiled = tiled
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (layer.A_log, layer.dt_bias, layer.norm.weight):
+            p.copy_(torch.randn(p.shape, generator=gen))
+    parents = [-1, 0, 1, 1, 3, -1, 5]  # a chain, a branch at row 1, and a second sequence from row 5
+    t, c, v = len(parents), layer.conv_dim, layer.value_dim
+    mixed, z = torch.randn(t, c, generator=gen), torch.randn(t, v, generator=gen)
+    b, a = torch.randn(t, layer.nv, generator=gen), torch.randn(t, layer.nv, generator=gen) * 3
+    starts = [(torch.randn(c, layer.kernel - 1, generator=gen), torch.randn(layer.nv, layer.dk, layer.dv, generator=gen))
+              for _ in range(2)]
+    mod = active_kernels()
+
+    def native(rows: list[int], parents: list[int], starts: list[Any]) -> tuple[torch.Tensor, list[Any]]:
+        out, *s = mod.gated_delta_rows(
+            mixed[rows].contiguous(), z[rows].contiguous(), b[rows].contiguous(), a[rows].contiguous(),
+            layer.conv1d.weight, -layer.A_log.exp(), layer.dt_bias, layer.norm.weight, layer.norm.eps,
+            layer.nk, layer.dk, layer.nv, layer.dv, tiled, parents, [x for x, _ in starts], [m for _, m in starts])
+        return out, list(zip(s[: len(rows)], s[len(rows):], strict=True))
+
+    with torch.no_grad():
+        out, got = native(list(range(t)), parents, starts)
+        want_out, want = layer._rows(mixed, z, b, a, parents, starts)
+    assert out.abs().max() > 0.1  # (not vanishing: the comparison below means something)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    for (gc, gm), (wc, wm) in zip(got, want, strict=True):
+        assert torch.equal(gc, wc)  # (the window moves on: copies, no arithmetic)
+        torch.testing.assert_close(gm, wm, rtol=1e-5, atol=1e-5)
+    for i, p in enumerate(parents):  # each row alone, continuing the state its parent left
+        start = got[p] if p >= 0 else starts[parents[:i].count(-1)]
+        alone, [state] = native([i], [-1], [start])
+        assert torch.equal(alone[0], out[i]) and torch.equal(state[1], got[i][1]), i
+
+
+@pytest.mark.skipif(active_kernels() is None, reason="the native Gated DeltaNet step is one of the CPU kernels")
+def test_native_delta_rows_refuse_bad_shapes_with_a_message(hybrid: LoadedModel) -> None:
+    layer = next(m for m in hybrid.model.modules() if isinstance(m, GatedDeltaNet))
+    mod = active_kernels()
+    z = torch.zeros(1, layer.value_dim)
+    b = a = torch.zeros(1, layer.nv)
+    bad_state = torch.zeros(layer.nv, layer.dk, layer.dv + 1)
+    with pytest.raises(RuntimeError, match="start state"):
+        mod.gated_delta_rows(torch.zeros(1, layer.conv_dim), z, b, a, layer.conv1d.weight, layer.A_log, layer.dt_bias,
+                             layer.norm.weight, 1e-6, layer.nk, layer.dk, layer.nv, layer.dv, False, [-1],
+                             [torch.zeros(layer.conv_dim, layer.kernel - 1)], [bad_state])
+    with pytest.raises(RuntimeError, match="parent comes before"):
+        mod.gated_delta_rows(torch.zeros(1, layer.conv_dim), z, b, a, layer.conv1d.weight, layer.A_log, layer.dt_bias,
+                             layer.norm.weight, 1e-6, layer.nk, layer.dk, layer.nv, layer.dv, False, [0], [], [])
+
+
+def test_the_native_and_torch_steps_give_the_same_logits(hybrid: LoadedModel) -> None:
+    """A whole forward on the native step (where the kernels are built) and on the torch rows
+    (reference mode): the same logits within fp32 rounding."""
+    ids = [(7 * i + 3) % hybrid.config.vocab_size for i in range(40)]
+    native = logits(hybrid, ids)
+    with reference_mode():
+        ref = logits(hybrid, ids)
+    torch.testing.assert_close(native, ref, rtol=1e-4, atol=1e-4)

@@ -411,6 +411,7 @@ std::vector<torch::Tensor> qd_api::linear_multi(const torch::Tensor& x, const st
   return ::linear_multi(x, weights, 0, residual);
 }
 
+void register_delta(pybind11::module& m);  // delta_cpu.cpp: the Gated DeltaNet token step
 void register_ops(pybind11::module& m);     // ops_cpu.cpp: fused RMSNorm, RoPE, attention
 void register_decode(pybind11::module& m);  // decode_cpu.cpp: a whole decoder stack per call
 
@@ -448,6 +449,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(q int8 [T, K], d float32 [T, K/bs], sums): x quantized per block of bs = 256 or 32",
         pybind11::arg("x"), pybind11::arg("block_size"));
   register_ops(m);
+  register_delta(m);
   register_decode(m);
   m.def("isa", &isa, "the instruction set of the q8 GEMM in use: 'avx2' or 'avx512vnni'");
   m.def("set_tuning", &set_tuning,

@@ -36,6 +36,7 @@ from quickdraft.models.gemma3 import GemmaRMSNorm
 from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts
 from quickdraft.models.phi3 import PartialRope
+from quickdraft.quant.ggml import active_kernels
 
 # checkpoint names -> the model's (a vision-language checkpoint's text model), and what is not loaded
 CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
@@ -95,7 +96,6 @@ class GatedDeltaNet(nn.Module):
         return x.repeat(rep, 1) if self.tiled else x.repeat_interleave(rep, dim=0)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        t = x.shape[0]
         mixed, z, b, a = linear_group([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
         parents = step.row_parents()
         base: dict[int, State] = {}
@@ -107,6 +107,27 @@ class GatedDeltaNet(nn.Module):
                 base[i] = cache.state(self.index)
             return base[i]
 
+        starts = [before(i) for i, p in enumerate(parents) if p < 0]
+        mod = active_kernels()
+        if mod is not None and mixed.dtype == torch.float32 and not mixed.is_cuda and not torch.is_grad_enabled() \
+                and all(s.dtype == torch.float32 for start in starts for s in start):
+            out, *rows = mod.gated_delta_rows(
+                mixed.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), self.conv1d.weight,
+                -self.A_log.float().exp(), self.dt_bias.float(),
+                self.norm.weight, self.norm.eps, self.nk, self.dk, self.nv, self.dv, self.tiled, parents,
+                [c for c, _ in starts], [m for _, m in starts])
+            states = list(zip(rows[: len(parents)], rows[len(parents):], strict=True))
+        else:
+            out, states = self._rows(mixed, z, b, a, parents, starts)
+        cache = step.cache
+        assert isinstance(cache, HybridCache)
+        cache.record(self.index, states)
+        return self.out_proj(out)
+
+    def _rows(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, parents: list[int],
+              starts: list[State]) -> tuple[torch.Tensor, list[State]]:
+        """The rows in torch (the reference the native ``gated_delta_rows`` follows; autograd, bf16,
+        CUDA): each continues its parent row's state, or the next of ``starts``."""
         # One row at a time, in the same shapes whatever the pass holds: torch computes exp, sigmoid
         # and silu vectorised in the bulk of a tensor and scalar in its tail, so a row's result would
         # otherwise depend on how many rows share its pass.
@@ -116,8 +137,9 @@ class GatedDeltaNet(nn.Module):
         convs: list[torch.Tensor] = []
         mats: list[torch.Tensor] = []
         out = []
-        for i in range(t):
-            prev_conv, prev = (convs[parents[i]], mats[parents[i]]) if parents[i] >= 0 else before(i)
+        first = iter(starts)
+        for i in range(mixed.shape[0]):
+            prev_conv, prev = (convs[parents[i]], mats[parents[i]]) if parents[i] >= 0 else next(first)
             window = torch.cat([prev_conv, mixed[i].unsqueeze(1)], dim=1)  # [C, K]: the inputs along its path
             convs.append(window[:, 1:])
             conv = window[:, 0] * w[:, 0]
@@ -136,10 +158,7 @@ class GatedDeltaNet(nn.Module):
             mats.append(s)
             o = (s * q[:, :, None]).sum(dim=-2)  # [Hv, Dv]
             out.append(self.norm(o, z[i].view(self.nv, self.dv)).reshape(self.value_dim))
-        cache = step.cache
-        assert isinstance(cache, HybridCache)
-        cache.record(self.index, list(zip(convs, mats, strict=True)))
-        return self.out_proj(torch.stack(out))
+        return torch.stack(out), list(zip(convs, mats, strict=True))
 
 
 class GatedAttention(Attention):

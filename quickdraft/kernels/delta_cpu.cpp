@@ -1,0 +1,197 @@
+// The Gated DeltaNet token step (Qwen3.5 / Qwen3-Next linear attention) in one native call per
+// layer and pass.
+//
+// The Python layer runs ~30 small torch ops per row and layer (the causal convolution, SiLU,
+// L2 norms, the gates, the delta rule over each head's [Dk, Dv] state, the gated RMSNorm), each a
+// few microseconds of dispatch, and reads the 64 KiB state of a head four times. Here a row is:
+//   conv  = sum_j window[:, j] * w[:, j]            (window = the previous K-1 inputs, then this one)
+//   q,k,v = silu(conv) split; q, k L2-normalised per key head (x / sqrt(sum x^2 + 1e-6)), q / sqrt(Dk)
+//   per value head h (its key head: h % Hk tiled, h / (Hv / Hk) grouped):
+//     beta = sigmoid(b[h]),  decay = exp(a_scale[h] * softplus(a[h] + dt_bias[h]))
+//     S = S_prev * decay;  r = S^T k;  S += k (beta (v - r))^T;  o = S^T q      (one pass each way)
+//   out = norm_w * rms(o) * silu(z)    per head (rms: o / sqrt(mean(o^2) + eps))
+// in fp32, one fixed order of operations per row whatever the pass holds (batch invariance: a row
+// of a prefill chunk, a verification chain, a tree or a pass over several sequences gives the same
+// bits). Rows run in order; a row continues its parent row's state, or the state it is handed.
+// The rows without a parent are handed their start windows and states in row order.
+// Each row's new convolution window and state are new tensors: the cache keeps them per row (a
+// rollback picks one), so nothing is updated in place. The heads of a row are split over threads.
+// Results agree with the torch layer within fp32 rounding (tests/test_qwen3_5.py), not bitwise:
+// a model runs one of the two paths for all its passes.
+
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops_api.h"
+
+namespace {
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // (torch's threshold)
+
+// sum of x[0..n)^2 in 8 interleaved partial sums (the order the compiler vectorises), then in order
+inline float sum_squares(const float* x, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += x[i + l] * x[i + l];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+void check_f32(const torch::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == numel,
+              name, " must be a contiguous CPU float32 tensor of ", numel, " elements");
+}
+
+// One value head's delta rule over its state: s_new = s_prev * decay + k (beta (v - (s_prev*decay)^T k))^T,
+// o = s_new^T q; s_prev and s_new [dk, dv] (may not alias).
+void head_step(const float* sp, float* sn, const float* k, const float* q, const float* v, float beta, float decay,
+               int64_t dk, int64_t dv, float* r, float* o) {
+  for (int64_t j = 0; j < dv; ++j) r[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* a = sp + i * dv;
+    float* s = sn + i * dv;
+    const float ki = k[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      s[j] = a[j] * decay;
+      r[j] += s[j] * ki;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) r[j] = (v[j] - r[j]) * beta;  // the delta, scaled by beta
+  for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* s = sn + i * dv;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      s[j] += ki * r[j];
+      o[j] += s[j] * qi;
+    }
+  }
+}
+
+// -> [out [T, Hv*Dv], conv windows (T tensors [C, K-1]), states (T tensors [Hv, Dk, Dv])]
+std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,
+                                            const torch::Tensor& a, const torch::Tensor& conv_w,
+                                            const torch::Tensor& a_scale, const torch::Tensor& dt_bias,
+                                            const torch::Tensor& norm_w, double eps, int64_t nk, int64_t dk,
+                                            int64_t nv, int64_t dv, bool tiled, const std::vector<int64_t>& parents,
+                                            const std::vector<torch::Tensor>& start_convs,
+                                            const std::vector<torch::Tensor>& start_states) {
+  const int64_t T = mixed.size(0), C = 2 * nk * dk + nv * dv;
+  TORCH_CHECK(nk > 0 && nv % nk == 0, "value heads must be a multiple of key heads");
+  TORCH_CHECK(mixed.dim() == 2 && mixed.size(1) == C, "mixed must be [T, 2*Hk*Dk + Hv*Dv]");
+  const int64_t K = conv_w.numel() / C;
+  TORCH_CHECK(K >= 1 && conv_w.numel() == C * K, "conv weight must be [C, K]");
+  check_f32(mixed, "mixed", T * C);
+  check_f32(z, "z", T * nv * dv);
+  check_f32(b, "b", T * nv);
+  check_f32(a, "a", T * nv);
+  check_f32(conv_w, "conv weight", C * K);
+  check_f32(a_scale, "a_scale", nv);
+  check_f32(dt_bias, "dt_bias", nv);
+  check_f32(norm_w, "norm weight", dv);
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == T, "one parent per row");
+  std::vector<int64_t> start_of(T, -1);  // a row without a parent: its place in start_convs / start_states
+  int64_t starts = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(parents[t] < t, "a row's parent comes before it");
+    if (parents[t] < 0) start_of[t] = starts++;
+  }
+  TORCH_CHECK(static_cast<int64_t>(start_convs.size()) == starts && static_cast<int64_t>(start_states.size()) == starts,
+              "one start window and state per row without a parent");
+  for (int64_t s = 0; s < starts; ++s) {
+    check_f32(start_convs[s], "a start window", C * (K - 1));
+    check_f32(start_states[s], "a start state", nv * dk * dv);
+  }
+  auto opts = mixed.options();
+  auto out = torch::empty({T, nv * dv}, opts);
+  std::vector<torch::Tensor> convs, states;
+  convs.reserve(T);
+  states.reserve(T);
+  for (int64_t t = 0; t < T; ++t) {
+    convs.push_back(torch::empty({C, K - 1}, opts));
+    states.push_back(torch::empty({nv, dk, dv}, opts));
+  }
+  qd_api::ReleaseGil nogil;
+  const float* wp = conv_w.data_ptr<float>();
+  const float* asp = a_scale.data_ptr<float>();
+  const float* dtp = dt_bias.data_ptr<float>();
+  const float* nwp = norm_w.data_ptr<float>();
+  const int64_t rep = nv / nk;
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(dk));
+  std::vector<float> qkv(C);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* prev_conv = (parents[t] < 0 ? start_convs[start_of[t]] : convs[parents[t]]).data_ptr<float>();
+    const float* prev_state = (parents[t] < 0 ? start_states[start_of[t]] : states[parents[t]]).data_ptr<float>();
+    float* conv_out = convs[t].data_ptr<float>();
+    float* state_out = states[t].data_ptr<float>();
+    const float* x = mixed.data_ptr<float>() + t * C;
+    // the causal depthwise convolution over (window, x), SiLU; the window moves on by one
+    for (int64_t c = 0; c < C; ++c) {
+      const float* win = prev_conv + c * (K - 1);
+      const float* w = wp + c * K;
+      float acc = K > 1 ? win[0] * w[0] : x[c] * w[0];
+      for (int64_t j = 1; j < K - 1; ++j) acc += win[j] * w[j];
+      if (K > 1) acc += x[c] * w[K - 1];
+      qkv[c] = silu(acc);
+      if (K > 1) {
+        for (int64_t j = 0; j + 1 < K - 1; ++j) conv_out[c * (K - 1) + j] = win[j + 1];
+        conv_out[c * (K - 1) + K - 2] = x[c];
+      }
+    }
+    float* q = qkv.data();
+    float* k = q + nk * dk;
+    const float* v = k + nk * dk;
+    for (int64_t h = 0; h < nk; ++h) {
+      const float qn = 1.0f / std::sqrt(sum_squares(q + h * dk, dk) + 1e-6f);
+      const float kn = 1.0f / std::sqrt(sum_squares(k + h * dk, dk) + 1e-6f);
+      for (int64_t i = 0; i < dk; ++i) {
+        q[h * dk + i] = q[h * dk + i] * qn * qscale;
+        k[h * dk + i] = k[h * dk + i] * kn;
+      }
+    }
+    const float* bt = b.data_ptr<float>() + t * nv;
+    const float* at = a.data_ptr<float>() + t * nv;
+    const float* zt = z.data_ptr<float>() + t * nv * dv;
+    float* ot = out.data_ptr<float>() + t * nv * dv;
+#pragma omp parallel
+    {
+      std::vector<float> r(dv);
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < nv; ++h) {
+        const int64_t kh = tiled ? h % nk : h / rep;
+        const float beta = sigmoid(bt[h]);
+        const float decay = std::exp(asp[h] * softplus(at[h] + dtp[h]));
+        float* o = ot + h * dv;
+        head_step(prev_state + h * dk * dv, state_out + h * dk * dv, k + kh * dk, q + kh * dk, v + h * dv, beta,
+                  decay, dk, dv, r.data(), o);
+        const float inv = 1.0f / std::sqrt(sum_squares(o, dv) / static_cast<float>(dv) + static_cast<float>(eps));
+        const float* zh = zt + h * dv;
+        for (int64_t j = 0; j < dv; ++j) o[j] = nwp[j] * (o[j] * inv) * silu(zh[j]);
+      }
+    }
+  }
+  std::vector<torch::Tensor> result{out};
+  result.insert(result.end(), convs.begin(), convs.end());
+  result.insert(result.end(), states.begin(), states.end());
+  return result;
+}
+
+}  // namespace
+
+void register_delta(pybind11::module& m) {
+  m.def("gated_delta_rows", &gated_delta_rows,
+        "Gated DeltaNet rows (convolution, gates, delta rule, gated RMSNorm), each continuing its parent row's "
+        "state or the one it is handed -> [out [T, Hv*Dv], T windows [C, K-1], T states [Hv, Dk, Dv]]",
+        pybind11::arg("mixed"), pybind11::arg("z"), pybind11::arg("b"), pybind11::arg("a"), pybind11::arg("conv_w"),
+        pybind11::arg("a_scale"), pybind11::arg("dt_bias"), pybind11::arg("norm_w"), pybind11::arg("eps"),
+        pybind11::arg("nk"), pybind11::arg("dk"), pybind11::arg("nv"), pybind11::arg("dv"), pybind11::arg("tiled"),
+        pybind11::arg("parents"), pybind11::arg("start_convs"), pybind11::arg("start_states"));
+}
