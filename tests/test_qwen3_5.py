@@ -671,3 +671,38 @@ def test_the_native_and_torch_steps_give_the_same_logits(hybrid: LoadedModel) ->
     with reference_mode():
         ref = logits(hybrid, ids)
     torch.testing.assert_close(native, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("ssm.time_step_rank", None, ["lacks", "qwen35.ssm.time_step_rank"]),
+    ("ssm.inner_size", 33, ["inconsistent", "qwen35.ssm.inner_size", "33", "time_step_rank"]),
+    ("ssm.group_count", 3, ["inconsistent", "qwen35.ssm.group_count", "3"]),
+    ("ssm.state_size", 0, ["qwen35.ssm.state_size", "positive"]),
+])
+def test_inconsistent_hybrid_metadata_is_one_line_naming_the_key_and_file(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    key: str, value: Any, words: list[str],
+) -> None:
+    """A Qwen3.5 GGUF whose Gated DeltaNet keys are missing or disagree: ``quickdraft generate``
+    says so in one line naming the key and the file, exit 2, no traceback."""
+    from quickdraft.cli.main import main
+    from quickdraft.loading import gguf as gguf_io
+
+    path = qwen3_5_to_gguf(folders["hybrid"], tmp_path / "broken.gguf")
+    real = gguf_io.metadata
+
+    def edited(reader: Any) -> dict[str, Any]:
+        meta = dict(real(reader))
+        if value is None:
+            del meta[f"qwen35.{key}"]
+        else:
+            meta[f"qwen35.{key}"] = value
+        return meta
+
+    monkeypatch.setattr(gguf_io, "metadata", edited)
+    assert main(["generate", "--model", str(path), "--max-tokens", "2", "hello"]) == 2
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if not line.startswith("loading ")]
+    assert line.startswith("error: broken.gguf:") and "Traceback" not in err, err
+    for word in words:
+        assert word in line, (word, line)

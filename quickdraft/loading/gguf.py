@@ -278,7 +278,15 @@ def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig, arch: str = "qwen35")
     else:
         interval = int(meta.get(f"{arch}.full_attention_interval") or 4)
         kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    nv = int(get("ssm.time_step_rank"))
+    nv, nk, inner = int(get("ssm.time_step_rank")), int(get("ssm.group_count")), int(get("ssm.inner_size"))
+    for key, value in (("ssm.time_step_rank", nv), ("ssm.group_count", nk), ("ssm.inner_size", inner),
+                       ("ssm.state_size", int(get("ssm.state_size"))), ("ssm.conv_kernel", int(get("ssm.conv_kernel")))):
+        if value <= 0:
+            raise QuickdraftError(f"GGUF metadata '{arch}.{key}' is {value}; the file is damaged (it must be positive)")
+    if inner % nv or nv % nk:
+        raise QuickdraftError(
+            f"GGUF metadata is inconsistent: '{arch}.ssm.inner_size' {inner} must be a multiple of "
+            f"'{arch}.ssm.time_step_rank' {nv} (value heads), and that of '{arch}.ssm.group_count' {nk} (key heads)")
     return {
         "num_hidden_layers": layers,
         "layer_types": tuple(kinds),
@@ -287,9 +295,9 @@ def _qwen35_fields(meta: dict[str, Any], cfg: ModelConfig, arch: str = "qwen35")
         "attn_output_gate": True,
         "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
         "linear_key_head_dim": int(get("ssm.state_size")),
-        "linear_num_key_heads": int(get("ssm.group_count")),
+        "linear_num_key_heads": nk,
         "linear_num_value_heads": nv,
-        "linear_value_head_dim": int(get("ssm.inner_size")) // nv,
+        "linear_value_head_dim": inner // nv,
         "linear_value_heads_tiled": arch != "qwen3next",  # (Qwen3-Next's converter keeps them grouped)
     }
 

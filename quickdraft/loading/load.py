@@ -147,7 +147,10 @@ def _load_model(spec: str, dtype: str, device: str, max_context: int | None, kv_
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
-        cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
+        try:
+            cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
+        except QuickdraftError as exc:
+            raise QuickdraftError(f"{path.name}: {exc}") from None
         if (factors := gguf_io.rope_freq_factors(reader)) is not None:
             cfg = gguf_io.with_rope_factors(cfg, factors)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
