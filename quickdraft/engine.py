@@ -143,6 +143,10 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | None while running
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
+    # Provenance: the first ``accepted`` of token_ids are drafts the target accepted (the rest, the
+    # target's own), and their text is characters [start, end) of the whole output text.
+    accepted: int = 0
+    accepted_text: tuple[int, int] = (0, 0)
 
     @property
     def finished(self) -> bool:
@@ -643,7 +647,7 @@ class Engine:
             if hidden is not None:
                 gen.drafter.feed(hidden)
             gen.drafter.commit(verdict.tokens, verdict.num_accepted)
-        return self._emit(req, verdict.tokens, logits)
+        return self._emit(req, verdict.tokens, logits, verdict.num_accepted)
 
     def _finish_prefill(self, part: _Part, logits: torch.Tensor, features: dict[int, torch.Tensor]) -> StepOutput | None:
         gen, req = part.gen, part.gen.req
@@ -756,13 +760,17 @@ class Engine:
             rows.append(process_logits(logits[row : row + 1], req.params, req.prompt, ids))
         return torch.cat(rows)
 
-    def _emit(self, req: _Request, tokens: torch.Tensor, logits: torch.Tensor) -> StepOutput:
-        """Apply stops token by token; ``logits`` [>= n, V] row i is token i's raw distribution."""
+    def _emit(self, req: _Request, tokens: torch.Tensor, logits: torch.Tensor, accepted: int = 0) -> StepOutput:
+        """Apply stops token by token; ``logits`` [>= n, V] row i is token i's raw distribution;
+        the first ``accepted`` tokens are accepted drafts."""
         text, kept = "", []
+        start = end = len(req.stop.text)
         for token in tokens.tolist():  # sync: the host needs the ids for text and stops
             req.output.append(token)
             kept.append(token)
             text += req.stop.add(token)
+            if len(kept) <= accepted:
+                end = len(req.stop.text)
             if req.stop.finished:
                 break
         if req.constraint is not None:
@@ -770,7 +778,9 @@ class Engine:
         req.stats.output_tokens = len(req.output)
         req.stats.t_end = time.perf_counter()
         logprobs = _logprobs(logits[: len(kept)], kept, req.params.logprobs) if req.params.logprobs is not None else None
-        return StepOutput(kept, text, req.stop.finish_reason, req.stats, logprobs)
+        drafts = min(accepted, len(kept))
+        end = min(end, len(req.stop.text))  # a stop string cuts the text
+        return StepOutput(kept, text, req.stop.finish_reason, req.stats, logprobs, drafts, (min(start, end), end))
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

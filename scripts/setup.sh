@@ -23,4 +23,19 @@ if [ -n "$extras" ]; then
     # on sys.path): its wheel pins torch 2.11 and sglang, none of which it needs for a head's forward.
     [ -d .venv/reference/specforge/specforge ] || .venv/bin/python -m pip install -q --disable-pip-version-check \
         --no-deps --target .venv/reference/specforge specforge==0.2.0
+    # tests/test_webui.py drives the chat page in a real browser: Debian's chromium and its
+    # chromedriver (selenium comes with the test extras). Where apt-get cannot run as root the
+    # test is skipped and says why.
+    if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+        sudo=""
+        [ "$(id -u)" = 0 ] || sudo="sudo -n"
+        if command -v apt-get >/dev/null && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
+            { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+                --no-install-recommends chromium chromium-driver; } >/dev/null \
+                || echo "setup: could not install chromium and chromium-driver; the browser test will be skipped" >&2
+        else
+            echo "setup: chromium and chromium-driver are missing and apt-get cannot run as root here;" \
+                "the browser test will be skipped (install them: apt-get install chromium chromium-driver)" >&2
+        fi
+    fi
 fi

@@ -2,8 +2,9 @@
 structured output, tool calling, Prometheus metrics) over one model, with lossless speculative decoding.
 
 Listens on 127.0.0.1 unless --host says otherwise; with --api-key (or $QUICKDRAFT_API_KEY),
-every route but /health needs ``Authorization: Bearer KEY``. --port 0 picks a free port; the
-URL is printed on stdout once the server accepts connections.
+every route but /health and the chat page needs ``Authorization: Bearer KEY``. --port 0 picks a
+free port; the URL is printed on stdout once the server accepts connections, with the chat page's
+(at /, unless --no-webui).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how the model writes tool calls (default: auto, from the chat template's markers; "
         "none: refuse requests with tools)",
     )
+    g.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="do not serve the chat page at / (the API is the same either way)",
+    )
     add_concurrency_arg(g)
     g.add_argument(
         "--log-level",
@@ -79,14 +86,17 @@ def run(args: argparse.Namespace) -> int:
         info(
             f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it"
         )
-    app = create_app(llm, names, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
+    app = create_app(
+        llm, names, api_key=args.api_key, tool_call_parser=args.tool_call_parser, webui=args.webui
+    )
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     # The socket already listens: a client that connects now waits in the backlog until
     # uvicorn accepts, so the URL is usable as soon as it is printed.
     also = f" (also as {', '.join(names[1:])})" if len(names) > 1 else ""
-    print(f"quickdraft: serving {name} at {url}/v1{also}", flush=True)
+    page = f"; chat page at {url}/" if args.webui else ""
+    print(f"quickdraft: serving {name} at {url}/v1{also}{page}", flush=True)
     worker = app.state.worker
 
     class Server(uvicorn.Server):

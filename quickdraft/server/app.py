@@ -8,7 +8,8 @@ Routes: POST /v1/chat/completions (tool calling included, see :mod:`quickdraft.s
 chat route by :mod:`quickdraft.server.messages_api`; its errors are in Anthropic's shape) and
 /v1/completions (streamed as server-sent events,
 ``data: {...}\\n\\n`` chunks then ``data: [DONE]\\n\\n``, or whole), GET /v1/models, /health and
-/metrics (Prometheus). Requests are checked here, before they queue (model name, fields, prompt
+/metrics (Prometheus), and the chat page at / with its files under /webui/ (unless turned off).
+Requests are checked here, before they queue (model name, fields, prompt
 and max_tokens against the context, the JSON schema); every failure is an OpenAI error object with
 a 4xx status, and the server keeps serving. Generation runs on the :class:`EngineWorker` thread;
 a client that disconnects cancels its request.
@@ -26,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -114,6 +116,7 @@ class _Prepared:
     constraint: Constraint | None
     tools: ToolFormat | None = None  # parse the output for calls in this format
     tool_names: frozenset[str] = frozenset()  # the request's functions
+    provenance: bool = False  # each streamed chunk says which of its tokens were accepted drafts
 
 
 def create_app(
@@ -121,11 +124,13 @@ def create_app(
     served_name: str | Sequence[str],
     api_key: str | None = None,
     tool_call_parser: str = "auto",
+    webui: bool = True,
 ) -> FastAPI:
     """The app serving ``llm`` as model ``served_name`` (or several aliases, the first being
-    the name responses report); with ``api_key``, every route but /health needs
-    ``Authorization: Bearer <api_key>``. ``tool_call_parser``: the tool-call format (``auto`` =
-    from the chat template, ``none`` = refuse tools)."""
+    the name responses report); with ``api_key``, every route but /health and the chat page's
+    files needs ``Authorization: Bearer <api_key>``. ``tool_call_parser``: the tool-call format
+    (``auto`` = from the chat template, ``none`` = refuse tools). ``webui``: serve the chat page
+    at / (:data:`WEBUI_FILES`)."""
     names = (served_name,) if isinstance(served_name, str) else tuple(dict.fromkeys(served_name))
     if not names:
         raise ValueError("create_app needs at least one served model name")
@@ -153,8 +158,11 @@ def create_app(
         title="quickdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    public = {"/health"}
+    if webui:
+        public |= set(_add_webui(app))
     if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key, public=frozenset(public))
     _add_error_handlers(app)
     _add_routes(app, server)
     app.state.worker = worker  # for the CLI: end streams at once when asked to shut down
@@ -234,16 +242,17 @@ def _matches_a_route(request: Request) -> bool:
 
 
 class _ApiKeyMiddleware:
-    """Every HTTP route but /health needs ``Authorization: Bearer <key>`` or (Anthropic's
-    clients) ``x-api-key: <key>``."""
+    """Every HTTP route but the ``public`` paths (/health, the chat page's files) needs
+    ``Authorization: Bearer <key>`` or (Anthropic's clients) ``x-api-key: <key>``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, public: frozenset[str]) -> None:
         self.app = app
         self.key = api_key.encode()
         self.expected = b"Bearer " + self.key
+        self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.public:
             headers = dict(scope["headers"])
             bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
             x_api_key = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
@@ -310,6 +319,43 @@ def _check_json(data: Any) -> None:
                 if isinstance(key, str):
                     stack.append((key, depth))
                 stack.append((item, depth + 1))
+
+
+# ------------------------------------------------------------------------------------- chat page
+
+# The chat page's files (quickdraft/server/webui, shipped in the package) by URL path, with their
+# media types. The page itself is public under --api-key (it holds no secret; it asks for the key
+# and sends it with its API calls).
+WEBUI_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/webui/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/webui/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
+    "/webui/app.js": ("app.js", "text/javascript; charset=utf-8"),
+}
+
+
+def _add_webui(app: FastAPI) -> list[str]:
+    """GET routes for the chat page's files, read once now; returns their paths."""
+    folder = resources.files("quickdraft.server").joinpath("webui")
+    for path, (name, media_type) in WEBUI_FILES.items():
+        try:
+            body = folder.joinpath(name).read_bytes()
+        except OSError as exc:
+            raise QuickdraftError(
+                f"the chat page's file {name} is missing from the installed package ({exc}); "
+                "reinstall quickdraft or start the server with --no-webui"
+            ) from None
+        app.add_api_route(path, _static(body, media_type), methods=["GET"], include_in_schema=False)
+    return list(WEBUI_FILES)
+
+
+def _static(body: bytes, media_type: str) -> Callable[[], Any]:
+    headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+
+    async def serve() -> Response:
+        return Response(body, media_type=media_type, headers=headers)
+
+    return serve
 
 
 # ---------------------------------------------------------------------------------------- routes
@@ -483,7 +529,7 @@ def _prepare_chat(server: _Server, req: p.ChatCompletionRequest) -> _Prepared:
     params = req.sampling_params(max_tokens, req.engine_logprobs(), _vocab(server))
     constraint = _tool_constraint(server, req, fmt) if fmt is not None else None
     names = frozenset(t.function.name for t in req.tools or []) if fmt is not None else frozenset()
-    return _Prepared(ids, params, constraint or _constraint(server, req), fmt, names)
+    return _Prepared(ids, params, constraint or _constraint(server, req), fmt, names, req.provenance())
 
 
 def _vocab(server: _Server) -> int:
@@ -739,8 +785,10 @@ def _chat_chunks(
     """The streamed chat completion as chunk objects: the role first, then content (and logprobs)
     as generated, each tool call's id and name then its arguments, and a last chunk with the
     finish reason and usage. The Responses and Messages APIs translate these into their events.
-    ``index``: the choice these chunks are of; ``stamp``: the response's (id, created)."""
+    ``index``: the choice these chunks are of; ``stamp``: the response's (id, created). With
+    ``prepared.provenance`` every chunk says which of the tokens it brings were accepted drafts."""
     rid, created = stamp or _ids()
+    provenance = _Provenance() if prepared.provenance else None
 
     def chunk(
         delta: p.Delta, logprobs: p.ChatLogprobs | None = None, finish: str | None = None, usage: p.Usage | None = None
@@ -752,6 +800,7 @@ def _chat_chunks(
             system_fingerprint=FINGERPRINT,
             choices=[p.ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)],
             usage=usage,
+            quickdraft=None if provenance is None else provenance.take(),
         )
 
     async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
@@ -761,6 +810,8 @@ def _chat_chunks(
         n_calls = 0
         async for step in job.steps():
             last = step
+            if provenance is not None:
+                provenance.add(step)
             logprobs = _chat_logprobs(server, step.logprobs)
             if calls is None:
                 if step.text or step.logprobs:
@@ -777,6 +828,28 @@ def _chat_chunks(
         yield chunk(p.Delta(), finish=_finish_reason(last.finish_reason, n_calls), usage=_usage(last.stats))
 
     return chunks()
+
+
+class _Provenance:
+    """The provenance of the steps a choice's next chunk brings: a step whose text is held back
+    (part of a character, a possible stop string) goes with the next chunk sent."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.accepted = 0
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, step: StepOutput) -> None:
+        self.tokens += len(step.token_ids)
+        self.accepted += step.accepted
+        start, end = step.accepted_text
+        if end > start:
+            self.spans.append((start, end))
+
+    def take(self) -> p.ChunkProvenance:
+        out = p.ChunkProvenance(tokens=self.tokens, accepted=self.accepted, accepted_text=self.spans)
+        self.tokens, self.accepted, self.spans = 0, 0, []
+        return out
 
 
 def _chat_events(
@@ -797,7 +870,8 @@ def _chat_events(
                 usages.append(chunk.usage)
                 last = chunk
         if include_usage and last is not None:  # OpenAI's include_usage chunk
-            yield _event(last.model_copy(update={"choices": [], "usage": _total_usage(usages)}))
+            totals = {"choices": [], "usage": _total_usage(usages), "quickdraft": None}
+            yield _event(last.model_copy(update=totals))
         yield _DONE
 
     return _guarded(jobs, events)

@@ -284,8 +284,22 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class QuickdraftOptions(BaseModel):
+    """quickdraft's own request field, ``"quickdraft": {...}``; OpenAI clients never send it.
+    Unknown keys are refused (a misspelt option is an error, not silently off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    provenance: bool = Field(
+        default=False,
+        description="stream: true only: each chunk says how many of its tokens were drafts the "
+        "target accepted, and where their text is (see ChunkProvenance)",
+    )
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    quickdraft: QuickdraftOptions | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -318,6 +332,17 @@ class ChatCompletionRequest(_GenerationRequest):
                 f"tool_choice names {choice.function.name!r}, which is not in tools",
                 param="tool_choice",
             )
+
+    def provenance(self) -> bool:
+        """Whether the chunks carry provenance (``quickdraft.provenance``; streams only)."""
+        if self.quickdraft is None or not self.quickdraft.provenance:
+            return False
+        if not self.stream:
+            raise ApiError(
+                400, "quickdraft.provenance describes streamed chunks; send stream: true "
+                "(a whole answer's drafts are in usage.quickdraft)", param="quickdraft.provenance",
+            )
+        return True
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -465,6 +490,21 @@ class Delta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI omits them
 
 
+class ChunkProvenance(BaseModel):
+    """Where a streamed chunk's tokens came from (asked with ``"quickdraft": {"provenance": true}``):
+    ``tokens`` generated tokens reached the client with this chunk (a token whose text is held
+    back, e.g. part of a character, comes with a later one), ``accepted`` of them were drafts the
+    target accepted (the rest it wrote itself), and their text is at ``accepted_text``: [start,
+    end) character offsets (code points) into the choice's output text, the concatenated content
+    when no tool calls are parsed out of it. Over a stream ``tokens`` add up to
+    usage.completion_tokens, and ``accepted`` to usage.quickdraft.accepted less the drafts accepted
+    past a stop (verified, but not output)."""
+
+    tokens: int
+    accepted: int
+    accepted_text: list[tuple[int, int]]
+
+
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
@@ -480,6 +520,14 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    quickdraft: ChunkProvenance | None = None  # only when asked: absent, not null, otherwise
+
+    @model_serializer(mode="wrap")
+    def _without_provenance(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("quickdraft", 0) is None:
+            out.pop("quickdraft")
+        return out
 
 
 class CompletionLogprobs(BaseModel):
