@@ -14,7 +14,7 @@ from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad, run_alone
-from quickdraft.speculative.draft_model import MAX_CATCH_UP, DraftModelDrafter
+from quickdraft.speculative.draft_model import MAX_CATCH_UP, DraftModelDrafter, ModelPass
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.speculative.policy import (
     CONFIDENT_K,
@@ -667,3 +667,24 @@ def test_under_load_a_draft_must_beat_plain_by_a_margin() -> None:
     assert LOAD_MARGIN > 1.03
     assert k_at(4.5 / (40 * 1.03)) == 0  # 3 others' tokens + 1.5 expected over cost(5): 3% above 4 / cost(4)
     assert k_at(4.5 / (40 * 1.08)) == 1
+
+
+def test_a_prompt_left_under_load_is_caught_up_capped_when_drafting_starts_alone(
+    tiny: tuple[LoadedModel, list[int], list[int]],
+) -> None:
+    """A draft model prefilled under load reads no prompt; when it first drafts (alone, after
+    tokens it missed), it reads at most its last MAX_CATCH_UP tokens, not the whole context (a
+    4-user run's last request paid a 0.4 s pass of 150 rows for one draft)."""
+    loaded, prompt, _ = tiny
+    drafter = DraftModelDrafter(loaded.model, loaded.config.vocab_size, eager=True, prefill_window=16)
+    ids = torch.tensor((prompt * 8)[:200])
+    drafter.join(PassLoad(sequences=3, rows=3, draft_seconds=0.0, tokens=3.0))
+    drafter.prefill(ids, SamplingParams())
+    assert drafter.cache.length == 0
+    for t in range(40):  # answer tokens committed while other drafters (or none) ran
+        drafter.commit(torch.tensor([t % 7 + 1]), 0)
+    drafter.join(ALONE)
+    steps = drafter.drafting(2)
+    asked = next(steps)
+    assert isinstance(asked, ModelPass) and asked.ids.shape[0] == MAX_CATCH_UP
+    assert asked.positions is not None and int(asked.positions[-1]) == 200 + 40 - 1  # the latest token's place

@@ -304,7 +304,9 @@ class DraftModelDrafter(Drafter):
         if self._vocab_due is not None and self.vocab is not None:
             self.vocab.apply(self.model, self._vocab_due)
             self._vocab_due = None
-        if len(self.pending) > MAX_CATCH_UP and self.cache.length > 0:
+        if len(self.pending) > MAX_CATCH_UP and (self.cache.length > 0 or self.offset > 0):
+            # (a cache that holds tokens, or skipped some: the prompt was left to a capped catch-up
+            # under load or deferred; only a lazy first read of a whole short prompt reads all)
             self.offset += len(self.pending) - MAX_CATCH_UP
             self.pending = self.pending[-MAX_CATCH_UP:]
         room = self.cache.max_len - self.cache.length - len(self.pending)

@@ -260,10 +260,18 @@ class AutoDrafter(Drafter):
         threads): the 0.5B's read of 720 tokens took 2.1 s, 0.86x plain decoding's speed."""
         curve = c.pass_cost or self.cost
         read = c.seconds_per_token * curve(rows) / curve(1)
-        _, rate = best_k(self.cost, c, c.acceptance.max_k, c.extra_seconds, self._load)
-        saved = max(0.0, self.cost(1) - 1.0 / rate) if rate > 0 else 0.0
+        load = self._load
+        cost = self.shared_cost if load.sequences else self.cost
+        _, rate = best_k(cost, c, c.acceptance.max_k, c.extra_seconds, load)
+        plain = pass_rate(cost, load, 1.0, 1, 0.0)
+        # Seconds saved per token of the pass (all its sequences' tokens), over the tokens the pass
+        # yields while this answer runs: alone, the answer's; under load, the read stalls every
+        # sequence of the pass, and the draft's saving is shared by all of their tokens. (Comparing
+        # the batch's seconds per token with one sequence's plain pass, as before, counted the
+        # batching itself as the draft's saving: 4 users' passes read every draft model prompt.)
+        saved = max(0.0, 1.0 / plain - 1.0 / rate) if rate > 0 else 0.0
         answer = min(max(max_tokens - 1, 0), READ_PAYBACK_ANSWERS * self.answer_tokens)
-        return saved * answer > READ_MARGIN * read
+        return saved * answer * (1 + load.sequences) > READ_MARGIN * read
 
     def covered(self, prompt_ids: Tensor | np.ndarray) -> int:
         """The fewest leading prompt tokens any feature-reading candidate holds features for."""
