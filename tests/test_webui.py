@@ -112,7 +112,7 @@ def smol(smollm2_gguf: Path) -> Iterator[Server]:
 
 def _raw_stream(server: Server, **kw: Any) -> list[str]:
     """The data lines of a streamed chat completion, [DONE] last."""
-    body = {"model": NAME, "messages": REPEAT, "max_tokens": 48, "temperature": 0, "stream": True, **kw}
+    body = {"model": NAME, "messages": REPEAT, "max_tokens": 32, "temperature": 0, "stream": True, **kw}
     with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         lines = [line for line in resp.iter_lines() if line]
@@ -148,15 +148,16 @@ def _check_provenance(chunks: list[dict[str, Any]]) -> tuple[int, dict[str, Any]
     return accepted, usage
 
 
+@pytest.mark.slow  # a real model
 def test_provenance_adds_up_to_the_usage(smol: Server) -> None:
     # Ends by length (ignore_eos): every accepted draft is output, the sums are exact.
     chunks = _chunks(_raw_stream(smol, ignore_eos=True, quickdraft={"provenance": True}))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     accepted, usage = _check_provenance(chunks)
-    assert usage["completion_tokens"] == 48
+    assert usage["completion_tokens"] == 32
     assert accepted == usage["quickdraft"]["accepted"] > 0  # n-gram lookup drafts the repeats
     # Ends by a stop token: drafts accepted past it are counted in usage but never output.
-    stopped = _chunks(_raw_stream(smol, max_tokens=120, quickdraft={"provenance": True}))
+    stopped = _chunks(_raw_stream(smol, max_tokens=80, quickdraft={"provenance": True}))
     accepted, usage = _check_provenance(stopped)
     assert accepted <= usage["quickdraft"]["accepted"]
     # n = 2: each choice's chunks add up to its own usage.
@@ -173,6 +174,7 @@ def _normalized(line: str) -> str:
     return re.sub(r'"(tokens_per_second|ttft_s|cached_tokens)":[0-9.e+-]+', r'"\1":0', line)
 
 
+@pytest.mark.slow  # a real model
 def test_provenance_is_absent_unless_asked(smol: Server) -> None:
     plain = _raw_stream(smol, stream_options={"include_usage": True})
     off = _raw_stream(smol, stream_options={"include_usage": True}, quickdraft={"provenance": False})
@@ -191,6 +193,7 @@ def test_provenance_is_absent_unless_asked(smol: Server) -> None:
     assert [_normalized(s) for s in stripped] == [_normalized(x.removeprefix("data: ")) for x in plain[:-1]]
 
 
+@pytest.mark.slow  # a real model
 def test_provenance_bad_input_is_a_400(smol: Server) -> None:
     url = f"{smol.url}/chat/completions"
     base = {"model": NAME, "messages": REPEAT, "max_tokens": 4}
@@ -208,6 +211,7 @@ def test_provenance_bad_input_is_a_400(smol: Server) -> None:
     assert smol.proc.poll() is None
 
 
+@pytest.mark.slow  # a real model
 def test_no_webui_flag(smol: Server) -> None:
     resp = httpx.get(f"{smol.root}/", timeout=10)
     assert resp.status_code == 404 and "no route GET /;" in resp.json()["error"]["message"]
@@ -258,7 +262,7 @@ def qwen_page(qwen05_gguf: Path) -> Iterator[Server]:
         yield server
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a real model, a real browser
 def test_chat_page_in_a_browser(qwen_page: Server, tmp_path: Path) -> None:
     driver = _browser()
     try:
@@ -285,6 +289,8 @@ def _chat_in_the_page(driver: Any, server: Server) -> None:
     _refused_setting(driver, wait)
     _streamed_answer(driver, wait)
     _stopped_answer(driver, wait, server)
+    _edited_question(driver, wait)
+    _dropped_connection(driver, wait)
     _conversations(driver, wait)
     _markdown_cases(driver)
 
@@ -314,6 +320,12 @@ def _type_prompt(driver: Any, lines: list[str]) -> None:
         box.send_keys(line)
     assert box.get_attribute("value") == "\n".join(lines)  # Shift+Enter: a new line, not sent
     box.send_keys(Keys.ENTER)
+
+
+def _text(driver: Any, css: str) -> str:
+    """The text of the first element matching ``css`` ("" if none), read in one go (the page
+    replaces a streaming answer's elements at every frame)."""
+    return str(driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.textContent : '';", css))
 
 
 def _done(driver: Any) -> bool:
@@ -367,8 +379,8 @@ def _stopped_answer(driver: Any, wait: Any, server: Server) -> None:
     _setting(driver, "max_tokens", "")
     cancelled = server.metric("quickdraft_requests_cancelled_total")
     _type_prompt(driver, [LONG_PROMPT])
-    stats = ".msg.assistant.streaming .stats"
-    wait.until(lambda d: re.match(r"([2-9]\d|\d{3,}) tokens", (d.find_elements(By.CSS_SELECTOR, stats) or [None])[0].text or ""))
+    live = ".msg.assistant.streaming .stats"
+    wait.until(lambda d: re.match(r"([2-9]\d|\d{3,}) tokens", _text(d, live)))
     assert server.metric("quickdraft_requests_running") == 1
     driver.find_element(By.ID, "stop").click()
     wait.until(_done)
@@ -379,6 +391,39 @@ def _stopped_answer(driver: Any, wait: Any, server: Server) -> None:
     last = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
     assert last.find_element(By.CSS_SELECTOR, ".stats").text.startswith("stopped · ")
     assert len(last.find_element(By.CSS_SELECTOR, ".body").text) > 20  # what came is kept
+
+
+def _edited_question(driver: Any, wait: Any) -> None:
+    """Edit the last question: the conversation goes on from it (the stopped answer replaced)."""
+    from selenium.webdriver.common.by import By
+
+    _setting(driver, "max_tokens", "12")
+    driver.find_elements(By.CSS_SELECTOR, ".msg.user .edit")[-1].click()
+    box = driver.find_element(By.CSS_SELECTOR, ".msg.user .editing textarea")
+    box.clear()
+    box.send_keys("Say hello in three words.")
+    driver.find_element(By.CSS_SELECTOR, ".msg.user .editing .save").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.streaming"))
+    wait.until(_done)
+    users = driver.find_elements(By.CSS_SELECTOR, ".msg.user .body")
+    assert len(users) == 2 and users[1].text == "Say hello in three words."
+    assert not _text(driver, ".msg.assistant:last-child .stats").startswith("stopped")
+
+
+def _dropped_connection(driver: Any, wait: Any) -> None:
+    """The network gone: a message in the page, the conversation kept; Regenerate once it is back."""
+    from selenium.webdriver.common.by import By
+
+    driver.set_network_conditions(offline=True, latency=0, download_throughput=-1, upload_throughput=-1)
+    _type_prompt(driver, ["Are you there?"])
+    wait.until(lambda d: _text(d, ".msg.assistant:last-child .error"))
+    assert "connection to the server failed" in _text(driver, ".msg.assistant:last-child .error")
+    assert len(driver.find_elements(By.CSS_SELECTOR, ".msg")) == 6
+    driver.delete_network_conditions()
+    driver.find_element(By.CSS_SELECTOR, ".msg.assistant:last-child .regenerate").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.streaming"))
+    wait.until(_done)
+    assert not driver.find_elements(By.CSS_SELECTOR, ".msg .error")
 
 
 def _conversations(driver: Any, wait: Any) -> None:
@@ -403,9 +448,9 @@ def _conversations(driver: Any, wait: Any) -> None:
     wait.until(lambda d: d.find_element(By.ID, "model-name").text == PAGE_NAME)  # no key asked again
     assert driver.find_element(By.CSS_SELECTOR, f"{items}.current .conv-title").text == "Adder"
     answers = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")
-    assert len(answers) == 2 and "def add(a, b):" in answers[0].find_element(By.CSS_SELECTOR, ".code").text
+    assert len(answers) == 3 and "def add(a, b):" in answers[0].find_element(By.CSS_SELECTOR, ".code").text
     assert answers[0].find_elements(By.CSS_SELECTOR, ".dr") and "tok/s" in answers[0].text
-    assert answers[1].find_element(By.CSS_SELECTOR, ".stats").text.startswith("stopped · ")
+    assert all("tok/s" in a.find_element(By.CSS_SELECTOR, ".stats").text for a in answers)
 
 
 MARKDOWN_CASES = [
@@ -428,6 +473,6 @@ def _markdown_cases(driver: Any) -> None:
     """
     got = driver.execute_async_script(script, [[src, []] for src, _ in MARKDOWN_CASES])
     assert got == [html for _, html in MARKDOWN_CASES]
-    marked = driver.execute_async_script(script, [["ab **cd** ef", [[1, 5]]], ["```py\nif x:\n```", [[6, 8]]]])
+    marked = driver.execute_async_script(script, [["ab **cd** ef", [[1, 6]]], ["```py\nif x:\n```", [[6, 8]]]])
     assert marked[0] == '<p>a<span class="dr">b </span><strong><span class="dr">c</span>d</strong> ef</p>'
     assert '<span class="hl-kw dr">if</span>' in marked[1]

@@ -255,7 +255,7 @@ el.messages.addEventListener("click", async (e) => {
 
 function editMessage(div, c, i) {
   const box = document.createElement("div");
-  box.className = "edit";
+  box.className = "editing";
   box.innerHTML =
     `<textarea></textarea><div class="buttons"><button type="button" class="save">Save & send</button>` +
     `<button type="button" class="cancel">Cancel</button></div>`;
