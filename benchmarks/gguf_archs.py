@@ -2,10 +2,12 @@
 experts, sinks, alternating sliding windows) and Gemma 4 (per-layer embeddings, KV sharing, two
 head sizes), random weights in the formats the released GGUFs use.
 
-No GPT-OSS or Gemma 4 checkpoint is installable here (../shared/MODELS.md pins none), so the file
-holds random valid blocks of the real models' layer shapes, fewer layers, and a small vocabulary
-(the tests' tiny BPE: the output head is negligible here, unlike the real models' 200k / 262k
-rows; both engines read the same file, so the ratio compares their layers):
+No GPT-OSS, Gemma 4 or Qwen3.5 checkpoint is installable here (../shared/MODELS.md pins none), so
+the file holds random valid blocks of the real models' layer shapes, fewer layers, and the real
+models' vocabulary size (``--vocab real``, the default: 201,088 / 262,144 / 248,320 rows of
+embedding and output head, the tests' tiny BPE padded with unused tokens, so the head weighs in a
+decode step as in the released files; ``--vocab tiny``: the 300-token tokenizer alone, the layers
+only). Both engines read the same file:
 
 * ``gpt-oss``: gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, sinks, window 128
   on every other layer, 32 experts of width 2880, top 4, YaRN), experts MXFP4, attention Q8_0;
@@ -17,7 +19,8 @@ rows; both engines read the same file, so the ratio compares their layers):
 
 Measured, alternating the two engines ``--rounds`` times: quickdraft's decode tokens/s (``dtype
 auto``: the blocks kept, q8 activations, plain greedy, after a 64-token prompt) and llama.cpp's
-``llama-bench -p 0 -n N`` (tg, same threads). Also quickdraft with its default drafter (``auto``) on
+``llama-bench -p 0 -n N`` (tg, same threads); prefill: quickdraft's time to the first token of a
+``--prefill``-token prompt and ``llama-bench -p N -n 0`` (pp). Also quickdraft with its default drafter (``auto``) on
 a repetitive prompt (random weights: little to accept, so this shows the drafter's overhead). JSON
 with the command and versions goes to benchmarks/results/gguf_archs/.
 
@@ -63,20 +66,26 @@ def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, le
     return raw.reshape(*lead, rows, cols // bs * ts)
 
 
-def write_gguf(arch: str, layers: int, path: Path, seed: int = 0) -> dict[str, Any]:
-    """The random file; returns its shape summary."""
+# The released models' vocabularies (their output heads are a real share of a decode step):
+# gpt-oss-20b's o200k_harmony, Gemma 4's, Qwen3.5's.
+REAL_VOCAB = {"gpt-oss": 201_088, "gemma4": 262_144, "qwen35": 248_320}
+
+
+def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | None = None) -> dict[str, Any]:
+    """The random file (``vocab``: rows of the embedding and head, the tiny tokenizer's padded
+    with unused tokens; None: the tiny tokenizer's own); returns its shape summary."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
-    vocab = tokenizer_vocab_size()
+    vocab = max(vocab or 0, tokenizer_vocab_size())
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random-{arch}")
     w.add_context_length(4096)
     w.add_block_count(layers)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
-    gguf_tokenizer_metadata(w)
+    gguf_tokenizer_metadata(w, pad_to=vocab)
 
     def f32(name: str, *shape: int, value: float | None = None) -> None:
         a = np.full(shape, value, dtype=np.float32) if value is not None else (rng.standard_normal(shape) * 0.1).astype(np.float32)
@@ -240,7 +249,7 @@ def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool) 
     from quickdraft.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, loaded.config.vocab_size, (16 if repetitive else 64,), generator=g).tolist()
+    prompt = torch.randint(3, tokenizer_vocab_size(), (16 if repetitive else 64,), generator=g).tolist()
     if repetitive:
         prompt = prompt * 4
     d, k = build_drafter(EngineOptions(draft=drafter), loaded)
@@ -256,9 +265,25 @@ def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool) 
     return n / (time.perf_counter() - t0), tau
 
 
-def llama_bench(binary: Path, path: Path, tokens: int, threads: int) -> float:
-    out = subprocess.run([str(binary), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
-                          "-o", "json"], capture_output=True, text=True, check=True)
+def quickdraft_prefill(loaded: Any, tokens: int) -> float:
+    """Prompt tokens/s of a ``tokens``-token prompt: the time to its first token (no prefix cache)."""
+    import torch
+
+    from quickdraft.engine import Engine
+    from quickdraft.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, tokenizer_vocab_size(), (tokens,), generator=g).tolist()
+    engine = Engine(loaded.model, loaded.tokenizer)
+    t0 = time.perf_counter()
+    next(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
+    return tokens / (time.perf_counter() - t0)
+
+
+def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float:
+    """llama-bench's tokens/s: of ``decode`` generated tokens (tg), or of a ``prompt``-token prompt (pp)."""
+    out = subprocess.run([str(binary), "-m", str(path), "-p", str(prompt), "-n", str(decode), "-t", str(threads),
+                          "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     return float(rows[0]["avg_ts"])
 
@@ -272,22 +297,29 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--llama-bench", type=Path, default=DEFAULT_BENCH)
     ap.add_argument("--file", type=Path, default=None, help="where to write the random GGUF (default: /tmp)")
+    ap.add_argument("--vocab", default="real",
+                    help="rows of the embedding and output head: real (the released model's), tiny (the tests' "
+                         "300-token tokenizer's) or a number")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement (0: none)")
+    ap.add_argument("--name", default=None, help="result file name without .json (default: ARCH-Nl[-vocab-V])")
     args = ap.parse_args()
+    vocab = REAL_VOCAB[args.arch] if args.vocab == "real" else None if args.vocab == "tiny" else int(args.vocab)
 
     import torch
 
     from quickdraft.bench.report import environment
 
     torch.set_num_threads(args.threads)
-    path = args.file or Path(f"/tmp/quickdraft-random-{args.arch}-{args.layers}.gguf")
-    shape = write_gguf(args.arch, args.layers, path)
+    path = args.file or Path(f"/tmp/quickdraft-random-{args.arch}-{args.layers}-{vocab or 'tiny'}.gguf")
+    shape = write_gguf(args.arch, args.layers, path, vocab=vocab)
     print(f"{path} ({path.stat().st_size / 2**30:.2f} GiB): {shape}")
     from quickdraft.loading.load import load_model
 
     t0 = time.perf_counter()
-    loaded = load_model(str(path), max_context=512)
+    loaded = load_model(str(path), max_context=max(512, args.prefill + 64))
     print(f"quickdraft loaded it in {time.perf_counter() - t0:.1f} s: {loaded.config.layer_pattern()}")
-    runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "llama.cpp": []}
+    runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "llama.cpp": [],
+                                    "quickdraft prefill": [], "llama.cpp prefill": []}
     taus: list[float] = []
     have_llama = args.llama_bench.is_file()
     for r in range(args.rounds):
@@ -296,18 +328,27 @@ def main() -> None:
         runs["quickdraft-auto"].append(speed)
         taus.append(tau)
         if have_llama:
-            runs["llama.cpp"].append(llama_bench(args.llama_bench, path, args.tokens, args.threads))
+            runs["llama.cpp"].append(llama_bench(args.llama_bench, path, args.threads, decode=args.tokens))
+        if args.prefill:
+            runs["quickdraft prefill"].append(quickdraft_prefill(loaded, args.prefill))
+            if have_llama:
+                runs["llama.cpp prefill"].append(llama_bench(args.llama_bench, path, args.threads, prompt=args.prefill))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v))
     med = {k: statistics.median(v) for k, v in runs.items() if v}
-    print(f"\n{args.arch}, {args.layers} layers, {args.threads} threads, decode tokens/s (median of {args.rounds}):")
+    print(f"\n{args.arch}, {args.layers} layers, vocabulary {shape['vocab']}, {args.threads} threads, tokens/s "
+          f"(median of {args.rounds}; prefill: a {args.prefill}-token prompt):")
     for k, v in med.items():
-        print(f"  {k:16s} {v:8.2f}")
+        print(f"  {k:18s} {v:8.2f}")
     if "llama.cpp" in med:
         print(f"  quickdraft / llama.cpp: {med['quickdraft'] / med['llama.cpp']:.2f}x")
+    if "llama.cpp prefill" in med:
+        print(f"  prefill, quickdraft / llama.cpp: {med['quickdraft prefill'] / med['llama.cpp prefill']:.2f}x")
     OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"{args.arch}-{args.layers}l.json"
+    name = args.name or f"{args.arch}-{args.layers}l{'' if args.vocab == 'real' else '-vocab-' + args.vocab}"
+    out = OUT / f"{name}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
-                               "tokens": args.tokens, "threads": args.threads, "runs": runs, "median": med,
+                               "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
+                               "runs": runs, "median": med,
                                "auto_tau": taus}, indent=1))
     print(f"saved {out}")
 

@@ -270,16 +270,22 @@ _GGUF_GLOBAL = {
 }
 
 
-def gguf_tokenizer_metadata(writer: Any) -> None:
-    """Store the tiny BPE the way llama.cpp does: tokens, types, merges, special ids."""
+def gguf_tokenizer_metadata(writer: Any, pad_to: int | None = None) -> None:
+    """Store the tiny BPE the way llama.cpp does: tokens, types, merges, special ids; with
+    ``pad_to``, unused tokens after it up to that vocabulary size (a real model's head and
+    embedding rows around the tiny tokenizer)."""
     spec = json.loads(_tokenizer_json())
     vocab: dict[str, int] = spec["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     specials = {a["id"] for a in spec["added_tokens"]}
+    types = [3 if i in specials else 1 for i in range(len(tokens))]  # 3 = control
+    if pad_to is not None and pad_to > len(tokens):
+        types += [5] * (pad_to - len(tokens))  # 5 = unused
+        tokens += [f"<|unused_{i}|>" for i in range(len(tokens), pad_to)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])  # 3 = control
+    writer.add_token_types(types)
     writer.add_token_merges(
         [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     )
