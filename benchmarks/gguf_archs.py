@@ -81,7 +81,7 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
     vocab = max(vocab or 0, tokenizer_vocab_size())
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random-{arch}")
-    w.add_context_length(4096)
+    w.add_context_length(32768)  # (room for long prompts: benchmarks/hybrid_turn2.py)
     w.add_block_count(layers)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
