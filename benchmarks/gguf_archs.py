@@ -71,9 +71,11 @@ def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, le
 REAL_VOCAB = {"gpt-oss": 201_088, "gemma4": 262_144, "qwen35": 248_320}
 
 
-def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | None = None) -> dict[str, Any]:
+def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | None = None,
+               mtp: bool = False) -> dict[str, Any]:
     """The random file (``vocab``: rows of the embedding and head, the tiny tokenizer's padded
-    with unused tokens; None: the tiny tokenizer's own); returns its shape summary."""
+    with unused tokens; None: the tiny tokenizer's own; ``mtp``: Qwen3.5's multi-token-prediction
+    block after the layers, as llama.cpp's converter writes it); returns its shape summary."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -82,7 +84,9 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random-{arch}")
     w.add_context_length(32768)  # (room for long prompts: benchmarks/hybrid_turn2.py)
-    w.add_block_count(layers)
+    if mtp and arch != "qwen35":
+        raise SystemExit("--mtp: only qwen35 files carry a multi-token-prediction block here")
+    w.add_block_count(layers + int(mtp))
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
     gguf_tokenizer_metadata(w, pad_to=vocab)
@@ -198,12 +202,18 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
         w.add_ssm_group_count(nk)
         w.add_ssm_time_step_rank(nv)
         w.add_ssm_inner_size(dv * nv)
-        w.add_array("qwen35.attention.recurrent_layers", kinds)
+        w.add_array("qwen35.attention.recurrent_layers", kinds + [False] * int(mtp))
         w.add_uint32("qwen35.full_attention_interval", 4)
+        if mtp:  # one full-attention block after the layers, fed [embedding, hidden state] through eh_proj
+            kinds.append(False)
+            w.add_uint32("qwen35.nextn_predict_layers", 1)
+            quant(f"blk.{layers}.nextn.eh_proj.weight", Q.Q8_0, h, 2 * h)
+            for name in ("enorm", "hnorm", "shared_head_norm"):
+                f32(f"blk.{layers}.nextn.{name}.weight", h, value=0.0)
         quant("token_embd.weight", Q.Q8_0, vocab, h)
         quant("output.weight", Q.Q8_0, vocab, h)
         f32("output_norm.weight", h, value=0.0)  # (norms stored as 1 + w)
-        for i in range(layers):
+        for i in range(len(kinds)):
             b = f"blk.{i}."
             f32(b + "attn_norm.weight", h, value=1.0)
             f32(b + "post_attention_norm.weight", h, value=1.0)
@@ -228,7 +238,7 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
             quant(b + "ffn_up.weight", Q.Q8_0, inter, h)
             quant(b + "ffn_down.weight", Q.Q8_0, h, inter)
         shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "linear_heads": [nk, nv],
-                 "linear_head_dims": [dk, dv], "intermediate": inter, "format": "Q8_0"}
+                 "linear_head_dims": [dk, dv], "intermediate": inter, "format": "Q8_0", "mtp_layers": int(mtp)}
     else:
         raise SystemExit(f"unknown --arch {arch}")
     w.write_header_to_file()
@@ -238,7 +248,8 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
     return {"arch": arch, "layers": layers, "vocab": vocab, **shape}
 
 
-def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool) -> tuple[float, float]:
+def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool,
+                      num_draft: int | None = None) -> tuple[float, float]:
     """(decode tokens/s after the first token, tau) of ``tokens`` greedy tokens after a 64-token
     prompt; ``drafter`` "none" or "auto" (as the CLI builds it)."""
     import torch
@@ -252,7 +263,7 @@ def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool) 
     prompt = torch.randint(3, tokenizer_vocab_size(), (16 if repetitive else 64,), generator=g).tolist()
     if repetitive:
         prompt = prompt * 4
-    d, k = build_drafter(EngineOptions(draft=drafter), loaded)
+    d, k = build_drafter(EngineOptions(draft=drafter, num_draft=num_draft), loaded)
     engine = Engine(loaded.model, loaded.tokenizer)
     steps = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True), d, k)
     first = next(steps)
@@ -280,6 +291,31 @@ def quickdraft_prefill(loaded: Any, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+PUBLISHED_ACCEPTANCE = 0.79  # llama.cpp's draft-mtp on Qwen3.5 (aggregate acceptance per drafted token)
+
+
+def pass_ratios(loaded: Any) -> dict[int, float]:
+    """T(k)/T(1) of the target's passes of k = 1, 2, 3, 4, 8 rows (what a chain of k-1 drafts costs)."""
+    from quickdraft.speculative.policy import measure_pass_seconds
+
+    seconds = measure_pass_seconds(loaded.model, rows=(1, 2, 3, 4, 8), repeats=3)
+    return {k: v / seconds[1] for k, v in seconds.items()}
+
+
+def mtp_cost(loaded: Any, tokens: int, passes: dict[int, float], plain_step: float, rounds: int) -> dict[str, Any]:
+    """The MTP layer's draft step, and the speed-up a chain of 1-3 would bring at the published
+    acceptance. Random weights accept nothing, so a step drafting one token yields one token:
+    its time is a 2-row target pass plus the draft step, and the draft step is that time minus a
+    plain step and the second row's cost (T(2) - T(1), from ``passes``)."""
+    steps = [1.0 / quickdraft_decode(loaded, tokens, "mtp", repetitive=False, num_draft=1)[0] for _ in range(rounds)]
+    step = statistics.median(steps)
+    draft = max(0.0, step - plain_step * passes[2])
+    share = draft / plain_step
+    a = PUBLISHED_ACCEPTANCE
+    projected = {k: sum(a**i for i in range(k + 1)) / (passes[k + 1] + k * share) for k in (1, 2, 3)}
+    return {"step_seconds": draft, "step_share": share, "mtp_step_seconds": steps, "projected": projected}
+
+
 def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float:
     """llama-bench's tokens/s: of ``decode`` generated tokens (tg), or of a ``prompt``-token prompt (pp)."""
     out = subprocess.run([str(binary), "-m", str(path), "-p", str(prompt), "-n", str(decode), "-t", str(threads),
@@ -301,6 +337,9 @@ def main() -> None:
                     help="rows of the embedding and output head: real (the released model's), tiny (the tests' "
                          "300-token tokenizer's) or a number")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement (0: none)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="qwen35: a multi-token-prediction block after the layers; measure its draft step and the "
+                         "speed-up projected at the published acceptance")
     ap.add_argument("--name", default=None, help="result file name without .json (default: ARCH-Nl[-vocab-V])")
     args = ap.parse_args()
     vocab = REAL_VOCAB[args.arch] if args.vocab == "real" else None if args.vocab == "tiny" else int(args.vocab)
@@ -310,8 +349,9 @@ def main() -> None:
     from quickdraft.bench.report import environment
 
     torch.set_num_threads(args.threads)
-    path = args.file or Path(f"/tmp/quickdraft-random-{args.arch}-{args.layers}-{vocab or 'tiny'}.gguf")
-    shape = write_gguf(args.arch, args.layers, path, vocab=vocab)
+    path = args.file or Path(f"/tmp/quickdraft-random-{args.arch}-{args.layers}-{vocab or 'tiny'}"
+                             f"{'-mtp' if args.mtp else ''}.gguf")
+    shape = write_gguf(args.arch, args.layers, path, vocab=vocab, mtp=args.mtp)
     print(f"{path} ({path.stat().st_size / 2**30:.2f} GiB): {shape}")
     from quickdraft.loading.load import load_model
 
@@ -335,6 +375,8 @@ def main() -> None:
                 runs["llama.cpp prefill"].append(llama_bench(args.llama_bench, path, args.threads, prompt=args.prefill))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v))
     med = {k: statistics.median(v) for k, v in runs.items() if v}
+    passes = pass_ratios(loaded)
+    mtp = mtp_cost(loaded, args.tokens, passes, 1.0 / med["quickdraft"], args.rounds) if args.mtp else None
     print(f"\n{args.arch}, {args.layers} layers, vocabulary {shape['vocab']}, {args.threads} threads, tokens/s "
           f"(median of {args.rounds}; prefill: a {args.prefill}-token prompt):")
     for k, v in med.items():
@@ -343,12 +385,18 @@ def main() -> None:
         print(f"  quickdraft / llama.cpp: {med['quickdraft'] / med['llama.cpp']:.2f}x")
     if "llama.cpp prefill" in med:
         print(f"  prefill, quickdraft / llama.cpp: {med['quickdraft prefill'] / med['llama.cpp prefill']:.2f}x")
+    print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
+    if mtp is not None:
+        print(f"  MTP draft step: {1000 * mtp['step_seconds']:.2f} ms = {100 * mtp['step_share']:.1f}% of a target "
+              f"step (goal <= 10%)")
+        print(f"  projected speed-up at {PUBLISHED_ACCEPTANCE} acceptance per token: "
+              + ", ".join(f"chain {k} {x:.2f}x" for k, x in mtp["projected"].items()))
     OUT.mkdir(parents=True, exist_ok=True)
     name = args.name or f"{args.arch}-{args.layers}l{'' if args.vocab == 'real' else '-vocab-' + args.vocab}"
     out = OUT / f"{name}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
                                "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
-                               "runs": runs, "median": med,
+                               "runs": runs, "median": med, "pass_ratios": passes, "mtp": mtp,
                                "auto_tau": taus}, indent=1))
     print(f"saved {out}")
 
