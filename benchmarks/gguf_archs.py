@@ -291,6 +291,25 @@ def quickdraft_prefill(loaded: Any, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def active_bytes(path: Path, shape: dict[str, Any]) -> int:
+    """Bytes a decode step reads from the file: every matrix and vector, but one row of each token
+    embedding table (unless it is also the output head), and of the routed experts (``*_exps``)
+    only the top-k's share (random weights route evenly)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)  # (the head is the embedding table: read whole)
+    total = 0
+    for t in tensors:
+        n = int(t.n_bytes)
+        if "token_embd" in t.name and not (tied and t.name == "token_embd.weight"):
+            n //= int(t.shape[-1])  # (token_embd, per_layer_token_embd: one row a token)
+        elif "_exps" in t.name and shape.get("experts"):
+            n = n * shape["top_k"] // shape["experts"]
+        total += n
+    return total
+
+
 PUBLISHED_ACCEPTANCE = 0.79  # llama.cpp's draft-mtp on Qwen3.5 (aggregate acceptance per drafted token)
 
 
@@ -376,6 +395,12 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v))
     med = {k: statistics.median(v) for k, v in runs.items() if v}
     passes = pass_ratios(loaded)
+    from quickdraft.kernels import load as load_kernels
+
+    kernels = load_kernels()
+    probe = kernels.read_bandwidth(1 << 30, args.threads, 3) if kernels is not None else float("nan")
+    step_bytes = active_bytes(path, shape)
+    bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", "llama.cpp") if k in med}
     mtp = mtp_cost(loaded, args.tokens, passes, 1.0 / med["quickdraft"], args.rounds) if args.mtp else None
     print(f"\n{args.arch}, {args.layers} layers, vocabulary {shape['vocab']}, {args.threads} threads, tokens/s "
           f"(median of {args.rounds}; prefill: a {args.prefill}-token prompt):")
@@ -385,6 +410,8 @@ def main() -> None:
         print(f"  quickdraft / llama.cpp: {med['quickdraft'] / med['llama.cpp']:.2f}x")
     if "llama.cpp prefill" in med:
         print(f"  prefill, quickdraft / llama.cpp: {med['quickdraft prefill'] / med['llama.cpp prefill']:.2f}x")
+    print(f"  a decode step reads {step_bytes / 2**20:.0f} MiB: " + ", ".join(
+        f"{k} {v:.1f} GB/s ({v / probe:.0%} of the {probe:.1f} GB/s read probe)" for k, v in bandwidth.items()))
     print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
     if mtp is not None:
         print(f"  MTP draft step: {1000 * mtp['step_seconds']:.2f} ms = {100 * mtp['step_share']:.1f}% of a target "
@@ -397,6 +424,7 @@ def main() -> None:
     out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
                                "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
                                "runs": runs, "median": med, "pass_ratios": passes, "mtp": mtp,
+                               "step_bytes": step_bytes, "read_probe_gbs": probe, "decode_gbs": bandwidth,
                                "auto_tau": taus}, indent=1))
     print(f"saved {out}")
 
