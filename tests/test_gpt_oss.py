@@ -209,3 +209,41 @@ def test_gguf_matches_transformers_and_keeps_mxfp4_experts(folder: Path, tmp_pat
     qcase = make_case(quant, TEXT[:60], 20)
     check_scripted(qcase, "partly", 4)
     assert qcase.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4).ids == qcase.truth
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "Q8_0", "Q4_0"])  # (the tiny rows are 64 wide: 32-blocks)
+def test_one_token_experts_in_one_call_are_bitwise_each_experts_own(folder: Path, tmp_path: Path, qtype: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-token step runs its chosen experts' gate and up projections as one kernel call
+    (mix_experts): every expert's output, and the layer's, is bitwise what each expert computes
+    on its own, for the expert formats the released files hold; whole rows of a pass and
+    speculation stay plain decoding's."""
+    from quickdraft.models import layers
+    from quickdraft.models.moe import mix_experts
+
+    path = gpt_oss_to_gguf(folder, tmp_path / f"{qtype}.gguf", {"exps.weight": qtype, "attn_q.weight": "Q8_0"})
+    quant = load_model(str(path), dtype="auto", max_context=256)
+    moe = quant.model.model.layers[1].mlp
+    assert all(isinstance(e.gate_proj, GGMLLinear) for e in moe.experts)
+    calls: list[int] = []
+    real = layers.ggml_linear_multi
+
+    def counted(modules: list[Any], x: torch.Tensor) -> list[torch.Tensor]:
+        calls.append(len(modules))
+        return real(modules, x)
+
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, quant.config.hidden_size, generator=gen)
+            weights, experts = torch.rand(1, 2, generator=gen), torch.randperm(len(moe.experts), generator=gen)[:2][None]
+            own = [moe.experts[int(e)](x) for e in experts[0]]
+            want = (own[0].float() * weights[:, :1] + own[1].float() * weights[:, 1:2]).to(x.dtype)
+            calls.clear()
+            with monkeypatch.context() as m:
+                m.setattr(layers, "ggml_linear_multi", counted)
+                got = mix_experts(moe.experts, x, weights, experts)
+            assert calls == [4]  # (gate and up of both experts: one call)
+            assert torch.equal(got, want)
+    qcase = make_case(quant, TEXT[:60], 12)
+    check_scripted(qcase, "partly", 4)

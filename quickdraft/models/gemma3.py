@@ -37,7 +37,6 @@ from quickdraft.models.layers import (
     Rope,
     Step,
     embedding,
-    linear_group,
 )
 
 SLIDING = "sliding_attention"
@@ -58,8 +57,7 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear_group([self.gate_proj, self.up_proj], x)
+    def finish(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 

@@ -30,7 +30,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.models import causal_lm, layers
 from quickdraft.models.gemma3 import is_sliding
-from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, embedding, linear_group
+from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, embedding
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts, rowwise
 
 
@@ -78,19 +78,18 @@ class SinkAttention(Attention):
         return out[0]
 
 
-class Expert(nn.Module):
+class Expert(MLP):
     """One expert: projections with biases and GPT-OSS's clamped, alpha-scaled gated activation."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_proj = Linear(h, i, bias=True)
         self.up_proj = Linear(h, i, bias=True)
         self.down_proj = Linear(i, h, bias=True)
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear_group([self.gate_proj, self.up_proj], x)
+    def finish(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * rowwise(torch.sigmoid, gate * self.alpha)

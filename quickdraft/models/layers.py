@@ -456,9 +456,17 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear_group([self.gate_proj, self.up_proj], x)
+    def in_projections(self) -> list[nn.Module]:
+        """The projections of the input (they share it: one kernel call; routed experts of a
+        one-token step join theirs in one call, quickdraft.models.moe.mix_experts)."""
+        return [self.gate_proj, self.up_proj]
+
+    def finish(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The output from the input projections' results (activation, down projection)."""
         return self.down_proj(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(x, *linear_group(self.in_projections(), x))
 
 
 class DecoderLayer(nn.Module):

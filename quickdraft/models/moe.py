@@ -43,7 +43,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import MLP, Linear
+from quickdraft.models.layers import MLP, Linear, linear_group
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
 ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)
@@ -136,12 +136,22 @@ def mix_experts(
     t, k = experts.shape
     flat_weights = weights.flatten()
     ys = x.new_empty(t * k, x.shape[1])  # slot row * k + rank
-    for expert, slots in group_by_expert(experts).items():
-        idx = torch.tensor(slots, device=x.device)
-        xe = x if t == 1 else x.index_select(0, idx // k)  # one row: top-k experts are distinct
-        if scale_input:  # llama4 scales the input in the activation dtype, as transformers does
-            xe = xe * flat_weights[idx].to(x.dtype).unsqueeze(1)
-        ys.index_copy_(0, idx, modules[expert](xe))
+    chosen = [modules[e] for e in experts[0].tolist()] if t == 1 and not scale_input else []
+    mlps = [m for m in chosen if isinstance(m, MLP)]
+    if chosen and len(mlps) == len(chosen):
+        # One token: the chosen experts' input projections share it, so they run as one kernel
+        # call (quantized GGML experts: bitwise each expert's own call), then each finishes.
+        projected = linear_group([p for m in mlps for p in m.in_projections()], x)
+        n = len(projected) // k
+        for rank, m in enumerate(mlps):
+            ys[rank] = m.finish(x, *projected[rank * n : (rank + 1) * n])[0]
+    else:
+        for expert, slots in group_by_expert(experts).items():
+            idx = torch.tensor(slots, device=x.device)
+            xe = x if t == 1 else x.index_select(0, idx // k)  # one row: top-k experts are distinct
+            if scale_input:  # llama4 scales the input in the activation dtype, as transformers does
+                xe = xe * flat_weights[idx].to(x.dtype).unsqueeze(1)
+            ys.index_copy_(0, idx, modules[expert](xe))
     ys = ys.view(t, k, -1)
     if scale_input:
         out = ys[:, 0]
