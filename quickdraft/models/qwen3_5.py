@@ -98,14 +98,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         mixed, z, b, a = linear_group([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
         parents = step.row_parents()
-        base: dict[int, State] = {}
 
         def before(i: int) -> State:  # the state a row without a parent in the pass continues
-            if i not in base:
-                cache = step.state_cache(i)
-                assert isinstance(cache, HybridCache), "a hybrid model runs on its own make_cache()"
-                base[i] = cache.state(self.index)
-            return base[i]
+            cache = step.state_cache(i)
+            assert isinstance(cache, HybridCache), "a hybrid model runs on its own make_cache()"
+            return cache.state(self.index)
 
         starts = [before(i) for i, p in enumerate(parents) if p < 0]
         mod = active_kernels()
