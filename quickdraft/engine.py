@@ -364,6 +364,8 @@ class Engine:
         req.capture = self._capture_layers(drafter)
         lane = max(self._free, key=lambda i: (self.prefix_cache.held_prefix(req.prompt_ids, self.lanes[i]), -i))
         gen = Generation(req, drafter, num_draft if drafter is not None else 0, lane, self.lanes[lane])
+        if drafter is not None:
+            drafter.use_target_cache(gen.cache)
         gen.follows, gen.waits_for = self._prefix_in_progress(gen)
         if gen.follows is None:
             self._reuse(gen)

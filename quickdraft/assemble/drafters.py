@@ -6,6 +6,10 @@ mtp is the model's own multi-token-prediction layer (Qwen3.5's ``mtp.*``); ``aut
 HEAD is an EAGLE-3 draft head for the target (a folder or .safetensors file, recognised by its
 config / tensor names): it drafts alongside n-gram lookup in the AutoDrafter, after a load-time
 canary checked that it pays (see quickdraft.assemble.eagle3_canary).
+
+A Gemma 4 assistant folder (config.json with model_type gemma4_assistant) drafts for a Gemma 4
+target alongside n-gram lookup in the AutoDrafter the same way (see
+quickdraft.speculative.gemma4_assistant).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from quickdraft.speculative.draft_model import (
 )
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
+from quickdraft.speculative.gemma4_assistant import assistant_folder, build_assistant_drafter
 from quickdraft.speculative.mtp import MTPDrafter, mtp_head
 from quickdraft.speculative.policy import (
     Acceptance,
@@ -125,6 +130,11 @@ def _base_drafters(
         say("drafting with the checkpoint's multi-token-prediction layer (mtp"
             + (f", output head cut to {mtp.config.draft_vocab_size} tokens)" if cut else ")"))
         out.append((MTPDrafter(mtp, target.model, shape=shape, policy=cfg.num_draft is None), EAGLE_PRIOR, 0.0, None))
+        return out
+    assistant = assistant_folder(cfg.draft) if cfg.draft not in ("auto", "none", "ngram", MTP) else None
+    if assistant is not None:  # Gemma 4's assistant: beside n-gram lookup, as an EAGLE-3 head
+        out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
+        out.append((build_assistant_drafter(assistant, target.model, cfg.num_draft, say), EAGLE_PRIOR, 0.0, None))
         return out
     head = eagle3_head_path(cfg.draft)
     if cfg.draft in ("auto", "ngram") or head is not None:

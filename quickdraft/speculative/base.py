@@ -10,6 +10,9 @@ tree, the n accepted tokens in ``commit`` are the tokens of the accepted root-to
 that needs the node indices finds them by walking its tree from the root, taking at each level the
 first child whose token is the next emitted one (the rule verification uses too).
 
+Target keys and values (optional, for drafters such as Gemma 4's assistant that attend to them):
+``use_target_cache(cache)`` names the target's cache of the drafter's sequence before each request.
+
 Target features (optional, for drafters such as EAGLE-3 that read the target's hidden states):
 
 - ``capture_layers: tuple[int, ...]``: the decoder layers whose INPUT hidden state the drafter
@@ -51,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVPool
+from quickdraft.cache import KVCache, KVPool
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
@@ -209,6 +212,12 @@ class Drafter:
     def feed(self, hidden: Tensor) -> None:
         """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""
         raise NotImplementedError(f"drafter {self.name!r} reads no target features")
+
+    def use_target_cache(self, cache: KVCache) -> None:
+        """The target's KV cache the drafter's sequence is computed in (its lane of the engine's
+        pool), named by the engine when a request starts, before ``prefill``. At each ``propose``
+        it holds the keys and values of every committed token but the newest. Drafters that attend
+        to the target's keys and values (Gemma 4's assistant) read them there; the others ignore it."""
 
     def covered(self, prompt_ids: Tensor | np.ndarray) -> int:
         """How many leading ``prompt_ids`` this drafter holds features for (all, without features)."""

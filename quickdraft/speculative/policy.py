@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quickdraft.cache import KVCache
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad, Steps, capture_layers_of
@@ -231,6 +232,10 @@ class AutoDrafter(Drafter):
             blocks = [self.capture_layers.index(i) for i in layers]
             cols = [hidden[:, b * width : (b + 1) * width] for b in blocks]
             c.drafter.feed(torch.cat(cols, dim=-1))
+
+    def use_target_cache(self, cache: KVCache) -> None:
+        for c in self.candidates:
+            c.drafter.use_target_cache(cache)
 
     def prefill(self, prompt_ids: Tensor, params: SamplingParams, cached: int = 0) -> None:
         before = [c.pass_cost(1) if c.pass_cost is not None else 0.0 for c in self.candidates]
