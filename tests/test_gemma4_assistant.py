@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_concurrency import alone, requests, run_to_end
 from test_loading_errors import _cli, assert_words
+from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_tree import generate
 from tiny import load_reference, make_tiny_hf_model, tiny_config
 
@@ -27,6 +28,7 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.options import EngineOptions
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.gemma4_assistant import (
     AssistantDrafter,
@@ -251,6 +253,20 @@ def test_draft_path_under_auto_and_several_sequences(folders: dict[str, Path], t
     for gen, i in running.items():
         reqs[i].drafter = "none"
         assert got[gen] == alone(target, reqs[i]), i
+
+
+def test_prefix_cache_warm_equals_cold(folders: dict[str, Path], target: LoadedModel) -> None:
+    """A conversation's next turn reuses the target's keys and the assistant's features: == cold."""
+    vocab = target.config.vocab_size
+    engine = Engine(target.model, target.tokenizer, prefix_cache=PrefixCache(64 * MB))
+    d = drafter(folders["plain"], target, "tree")
+    history = tokens(1, 60, vocab)
+    first = run(engine, history, d, 4, GREEDY)
+    same(first, run(Engine(target.model, target.tokenizer), history, None, 0, GREEDY))
+    turn = history + first.ids + tokens(2, 10, vocab)
+    warm = run(engine, turn, d, 4, GREEDY)
+    assert warm.stats.cached_tokens == len(history) + len(first.ids) - 1 and warm.stats.drafted > 0
+    same(warm, run(Engine(target.model, target.tokenizer), turn, drafter(folders["plain"], target, "tree"), 4, GREEDY))
 
 
 def test_an_assistant_for_another_target_is_a_one_line_error(folders: dict[str, Path], target: LoadedModel,

@@ -298,6 +298,16 @@ class Gemma4Assistant(DraftHead):
         logits, state = self.output(self.model(x, steps))
         return logits.float(), state
 
+    def check_cache(self, cache: KVCache) -> None:
+        """A one-line QuickdraftError where ``cache`` lacks the keys and values the layers read."""
+        for layer in self.model.stack:
+            attn = layer.self_attn
+            have = cache.k_layers[layer.source].shape[0] if len(cache.k_layers) > layer.source else 0
+            if have != attn.nkv:
+                raise QuickdraftError(f"the Gemma 4 assistant reads {attn.nkv} key/value heads of the target's layer "
+                                      f"{layer.source}, its cache holds {have} (under --tensor-parallel each rank "
+                                      "holds a part): run it without --tensor-parallel")
+
     def _step(self, cache: KVCache, context: int, rows: int) -> Step:
         """Rows at position ``context`` that each see the target's slots ``0..context-1`` (a
         sliding layer's window then keeps the last of them)."""
@@ -419,13 +429,7 @@ class AssistantDrafter(Eagle3Drafter):
     _target_cache: KVCache | None = None
 
     def use_target_cache(self, cache: KVCache) -> None:
-        for layer in self.head.model.stack:
-            attn = layer.self_attn
-            have = cache.k_layers[layer.source].shape[0] if len(cache.k_layers) > layer.source else 0
-            if have != attn.nkv:
-                raise QuickdraftError(f"the Gemma 4 assistant reads {attn.nkv} key/value heads of the target's layer "
-                                      f"{layer.source}, its cache holds {have} (under --tensor-parallel each rank "
-                                      "holds a part): run it without --tensor-parallel")
+        self.head.check_cache(cache)
         self._target_cache = cache
 
     def _embed(self, target_ids: Tensor) -> Tensor:
@@ -473,6 +477,7 @@ def measure_seconds(head: Gemma4Assistant, target: CausalLM, rows: int, repeats:
     """Seconds of one assistant pass over ``rows`` rows on a short scratch context of the target."""
     context = max(1, min(32, target.max_len - 1))
     cache = target.make_cache(context + 1)
+    head.check_cache(cache)
     cache.advance(context)  # keys of zeros: the time does not depend on them
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, head.assistant.backbone_hidden_size, generator=gen).to(head.device, head.dtype)
