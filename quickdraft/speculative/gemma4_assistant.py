@@ -24,6 +24,11 @@ Drafting on, the next row is ``(E(drafted token), state)`` at the SAME position 
 and values: the assistant never extends the context, so a chain or a tree node is one row that
 reads only its parent's state.
 
+The keys are exactly the committed positions 0..p-1. (transformers' generation loop slices the
+verify pass's keys to the new length, so after a rejected draft its assistant also sees that
+rejected token's keys at position p; quickdraft does not mirror that: the target's cache then holds
+the committed tokens only.)
+
 This is EAGLE's alignment with the target's final-norm input captured as the feature, so
 :class:`~quickdraft.speculative.eagle3.drafter.Eagle3Drafter` runs it (chains, dynamic trees,
 sampled chains, its cost model, several sequences in one pass) with three differences: its root
