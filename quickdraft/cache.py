@@ -382,8 +382,10 @@ class HybridCache(KVCache):
     """Keys and values of a hybrid model's attention layers, and the recurrent state of its
     linear-attention layers, which no slot holds.
 
-    A pass records every row's state per layer (:meth:`begin_rows`, :meth:`record`); each row
+    A pass records its rows' states per layer (:meth:`begin_rows`, :meth:`record`); each row
     continues its parent's (the pass row before it on its path, or the state at the pass's start).
+    Only the rows a caller can reach are kept (:meth:`kept_rows`: the rows the pass returns, its
+    last rows and the checkpoints it crosses); a prefill chunk's other rows leave no state.
     Rolling back is then a pointer move, as for keys and values: :meth:`truncate` to a length the
     last pass reached along a chain (or its start), :meth:`compact` to a tree path's last row,
     :meth:`continue_from` to a row of a :class:`KVPool` pass. Further back the state is known only
@@ -406,7 +408,8 @@ class HybridCache(KVCache):
         self._parents: list[int] = []  # the last pass's rows' parents (-1: the state at _pass_start) ...
         self._chain = 0  # ... how many of them, from the first, form a chain from the pass's start ...
         self._pass_start = 0
-        self._rows: list[list[State]] = []  # ... and their states, per layer
+        self._kept: list[bool] = []  # ... which of them keep their states ...
+        self._rows: list[list[State | None]] = []  # ... and those states, per layer (None: not kept)
         self.checkpoints: dict[int, list[State]] = {}
 
     def region(self, base: int, length: int) -> HybridCache:
@@ -418,14 +421,32 @@ class HybridCache(KVCache):
 
     # -------------------------------------------------------------- a pass
 
-    def begin_rows(self, parents: list[int]) -> None:
+    def begin_rows(self, parents: list[int], outputs: list[int] | None = None) -> None:
         """A pass over ``len(parents)`` rows starts at slot ``length``: row i continues the state
-        of row ``parents[i]`` (< i), or -1: the state at ``length``."""
+        of row ``parents[i]`` (< i), or -1: the state at ``length``. ``outputs``: the rows whose
+        results the pass returns (None: all), the rows a caller may continue or roll back to."""
         if self._parents:  # the previous pass left no verdict (a prefill's chunks): settle it
             self._settle(self.length, strict=False)
         self._pass_start, self._parents = self.length, list(parents)
         self._chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
         self._rows = []
+        t = len(parents)
+        kept = [outputs is None] * t
+        for i in outputs or ():
+            kept[i] = True
+        for i, p in enumerate(parents):  # leaves, and rows continued out of order
+            if p >= 0 and p != i - 1:
+                kept[p] = True
+            if i + 1 == t or parents[i + 1] != i:
+                kept[i] = True
+        for i in range(min(self._chain, t)):  # the checkpoints the chain crosses
+            if (self._pass_start + i + 1) % STATE_EVERY == 0:
+                kept[i] = True
+        self._kept = kept
+
+    def kept_rows(self) -> list[bool]:
+        """Which rows of the current pass keep their state (the others' the layer may drop)."""
+        return self._kept
 
     def state(self, layer: int) -> State:
         """Linear-attention layer ``layer``'s state at the start of the current pass."""
@@ -435,13 +456,17 @@ class HybridCache(KVCache):
             self._base = self.shape.zeros(self.device, self.state_dtype)
         return self._base[layer]
 
-    def record(self, layer: int, states: list[State]) -> None:
-        """The states after each row of the current pass, for the next linear-attention layer in turn."""
+    def record(self, layer: int, states: list[State | None]) -> None:
+        """The states after each row of the current pass, for the next linear-attention layer in
+        turn: those of :meth:`kept_rows`, None for the others."""
         assert layer == len(self._rows) and len(states) == len(self._parents)
+        assert all((s is not None) == k for s, k in zip(states, self._kept, strict=True)), "kept rows only"
         self._rows.append(states)
 
     def row_states(self, row: int) -> list[State]:
-        return [layer[row] for layer in self._rows]
+        if not self._kept[row]:
+            raise QuickdraftError(f"row {row} of the last pass kept no recurrent state (only the rows it returned do)")
+        return [s for layer in self._rows if (s := layer[row]) is not None]
 
     # -------------------------------------------------------------- moving the state
 
@@ -449,7 +474,7 @@ class HybridCache(KVCache):
         """The last pass's row whose state is the one after ``n`` tokens, if its rows up to it are a
         chain from the pass's start; -1: the start itself; None: none."""
         j = n - self._pass_start - 1
-        return j if self._complete() and -1 <= j < self._chain else None
+        return j if self._complete() and -1 <= j < self._chain and (j < 0 or self._kept[j]) else None
 
     def _complete(self) -> bool:
         """Whether a pass's rows are all recorded (every linear-attention layer's)."""
@@ -482,7 +507,7 @@ class HybridCache(KVCache):
 
     def _set_base(self, states: list[State] | None, n: int, known: bool = True) -> None:
         self._base, self._base_len, self._base_known = states, n, known
-        self._parents, self._rows, self._chain = [], [], 0
+        self._parents, self._rows, self._chain, self._kept = [], [], 0, []
         self.checkpoints = {c: s for c, s in self.checkpoints.items() if c <= n}
         if known and states is not None and n % STATE_EVERY == 0:
             self._checkpoint(n, states)
@@ -496,7 +521,7 @@ class HybridCache(KVCache):
         known = [0, *self.checkpoints]
         if self._parents:
             if self._complete():
-                known += range(self._pass_start + 1, self._pass_start + self._chain + 1)
+                known += [self._pass_start + j + 1 for j in range(self._chain) if self._kept[j]]
             if self._base_known:
                 known.append(self._pass_start)
         elif self._base_known:

@@ -228,6 +228,28 @@ def test_rollback_within_the_last_pass_and_to_checkpoints(hybrid: LoadedModel) -
         other.restore(snap, STATE_EVERY + 1)
 
 
+def test_a_prefill_keeps_the_states_a_caller_can_reach_and_nothing_else(hybrid: LoadedModel) -> None:
+    """A prefill chunk returns its last row: it keeps that row's state and the checkpoints it
+    crosses (not one state per row and layer), rolls back only to those, and continues from
+    them with the bits of a cache that kept every row."""
+    ids = hybrid.tokenizer.encode(TEXT * 2)[: STATE_EVERY + 30]
+    n = len(ids)
+    lean = hybrid.model.new_cache()
+    hybrid.model(torch.tensor(ids), lean, num_logits=1)  # one pass of n rows, its last row returned
+    kept = [i for i, k in enumerate(lean.kept_rows()) if k]
+    assert kept == [STATE_EVERY - 1, n - 1]
+    assert lean.rollback_point(n - 3) == STATE_EVERY and lean.rollback_point(n) == n
+    with pytest.raises(QuickdraftError, match="cannot roll a recurrent state back"):
+        lean.truncate(n - 3)
+    full = hybrid.model.new_cache()
+    logits(hybrid, ids, full)  # every row returned: every row kept
+    assert all(full.kept_rows())
+    for cache in (lean, full):
+        cache.truncate(STATE_EVERY)
+    assert torch.equal(logits(hybrid, ids[STATE_EVERY:], lean), logits(hybrid, ids[STATE_EVERY:], full))
+    assert same_states(lean, full)
+
+
 def test_tree_pass_and_compact_match_decoding_each_path(hybrid: LoadedModel) -> None:
     """Each row of a tree pass continues its parent's state: its logits are plain decoding's of its
     own path; compact() keeps a path's state, and the next pass continues from it."""
@@ -626,11 +648,13 @@ def test_native_delta_rows_equal_the_torch_rows_and_each_row_alone(hybrid: Loade
               for _ in range(2)]
     mod = active_kernels()
 
-    def native(rows: list[int], parents: list[int], starts: list[Any]) -> tuple[torch.Tensor, list[Any]]:
+    def native(rows: list[int], parents: list[int], starts: list[Any],
+               keep: list[bool] | None = None) -> tuple[torch.Tensor, list[Any]]:
         out, *s = mod.gated_delta_rows(
             mixed[rows].contiguous(), z[rows].contiguous(), b[rows].contiguous(), a[rows].contiguous(),
             layer.conv1d.weight, -layer.A_log.exp(), layer.dt_bias, layer.norm.weight, layer.norm.eps,
-            layer.nk, layer.dk, layer.nv, layer.dv, tiled, parents, [x for x, _ in starts], [m for _, m in starts])
+            layer.nk, layer.dk, layer.nv, layer.dv, tiled, parents, [x for x, _ in starts], [m for _, m in starts],
+            [True] * len(rows) if keep is None else keep)
         return out, list(zip(s[: len(rows)], s[len(rows):], strict=True))
 
     with torch.no_grad():
@@ -645,6 +669,14 @@ def test_native_delta_rows_equal_the_torch_rows_and_each_row_alone(hybrid: Loade
         start = got[p] if p >= 0 else starts[parents[:i].count(-1)]
         alone, [state] = native([i], [-1], [start])
         assert torch.equal(alone[0], out[i]) and torch.equal(state[1], got[i][1]), i
+    # Keeping only some rows' states (a prefill chunk keeps its last): the same bits, the others'
+    # states continued in place. Row 1, continued by row 3 out of order, is kept anyway.
+    keep = [False, False, False, False, True, False, True]
+    few, some = native(list(range(t)), parents, starts, keep)
+    assert torch.equal(few, out)
+    assert [s is not None for s, _ in some] == [False, True, False, False, True, False, True]
+    for (fc, fm), (gc, gm) in zip(some, got, strict=True):
+        assert fc is None or (torch.equal(fc, gc) and torch.equal(fm, gm))
 
 
 @pytest.mark.skipif(active_kernels() is None, reason="the native Gated DeltaNet step is one of the CPU kernels")
@@ -657,10 +689,10 @@ def test_native_delta_rows_refuse_bad_shapes_with_a_message(hybrid: LoadedModel)
     with pytest.raises(RuntimeError, match="start state"):
         mod.gated_delta_rows(torch.zeros(1, layer.conv_dim), z, b, a, layer.conv1d.weight, layer.A_log, layer.dt_bias,
                              layer.norm.weight, 1e-6, layer.nk, layer.dk, layer.nv, layer.dv, False, [-1],
-                             [torch.zeros(layer.conv_dim, layer.kernel - 1)], [bad_state])
+                             [torch.zeros(layer.conv_dim, layer.kernel - 1)], [bad_state], [True])
     with pytest.raises(RuntimeError, match="parent comes before"):
         mod.gated_delta_rows(torch.zeros(1, layer.conv_dim), z, b, a, layer.conv1d.weight, layer.A_log, layer.dt_bias,
-                             layer.norm.weight, 1e-6, layer.nk, layer.dk, layer.nv, layer.dv, False, [0], [], [])
+                             layer.norm.weight, 1e-6, layer.nk, layer.dk, layer.nv, layer.dv, False, [0], [], [], [True])
 
 
 def test_the_native_and_torch_steps_give_the_same_logits(hybrid: LoadedModel) -> None:

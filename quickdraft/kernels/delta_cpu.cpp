@@ -12,10 +12,18 @@
 //   out = norm_w * rms(o) * silu(z)    per head (rms: o / sqrt(mean(o^2) + eps))
 // in fp32, one fixed order of operations per row whatever the pass holds (batch invariance: a row
 // of a prefill chunk, a verification chain, a tree or a pass over several sequences gives the same
-// bits). Rows run in order; a row continues its parent row's state, or the state it is handed.
-// The rows without a parent are handed their start windows and states in row order.
-// Each row's new convolution window and state are new tensors: the cache keeps them per row (a
-// rollback picks one), so nothing is updated in place. The heads of a row are split over threads.
+// bits). A row continues its parent row's state, or the state it is handed; the rows without a
+// parent are handed their start windows and states in row order.
+//
+// Two phases. First every row's convolution, SiLU and norms, rows split over threads: a row's
+// window is the inputs along its path (its ancestors' rows of ``mixed``, then its start window),
+// so rows need nothing from each other. Then the delta rule, value heads split over threads and
+// each head walking the rows in order, its [Dk, Dv] state staying in the core's cache.
+// The rows ``keep`` names get their new window and state as new tensors (the cache keeps them per
+// row: a rollback picks one, so nothing the cache holds is updated in place); the others return
+// None and their state lives only in a per-head scratch the next row continues in place (a row is
+// kept anyway when a row other than the next continues it). A prefill chunk keeps its last row and
+// the cache's checkpoints, not 1 MiB of state per row and layer.
 // Results agree with the torch layer within fp32 rounding (tests/test_qwen3_5.py), not bitwise:
 // a model runs one of the two paths for all its passes.
 
@@ -27,6 +35,7 @@
 #include <vector>
 
 #include "ops_api.h"
+#include "simd_exp.h"
 
 namespace {
 
@@ -50,8 +59,27 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t numel) {
               name, " must be a contiguous CPU float32 tensor of ", numel, " elements");
 }
 
+// x = silu(x) over n floats, eight at a time (the tail one by one: the same for every row).
+inline void silu_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, silu8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = silu(x[i]);
+}
+
+// The gated RMSNorm of one head's output: o = w * (o * inv) * silu(z).
+inline void gate(float* o, const float* z, const float* w, float inv, int64_t n) {
+  int64_t j = 0;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 on = _mm256_mul_ps(_mm256_loadu_ps(o + j), vinv);
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(w + j), on), silu8(_mm256_loadu_ps(z + j))));
+  }
+  for (; j < n; ++j) o[j] = w[j] * (o[j] * inv) * silu(z[j]);
+}
+
 // One value head's delta rule over its state: s_new = s_prev * decay + k (beta (v - (s_prev*decay)^T k))^T,
-// o = s_new^T q; s_prev and s_new [dk, dv] (may not alias).
+// o = s_new^T q; s_prev and s_new [dk, dv] (may be the same memory: each element is read before it is
+// written, so in place gives the same bits).
 void head_step(const float* sp, float* sn, const float* k, const float* q, const float* v, float beta, float decay,
                int64_t dk, int64_t dv, float* r, float* o) {
   for (int64_t j = 0; j < dv; ++j) r[j] = 0.0f;
@@ -76,14 +104,21 @@ void head_step(const float* sp, float* sn, const float* k, const float* q, const
   }
 }
 
-// -> [out [T, Hv*Dv], conv windows (T tensors [C, K-1]), states (T tensors [Hv, Dk, Dv])]
+// One input of a row's convolution window, per channel c: base[c * stride].
+struct Tap {
+  const float* base;
+  int64_t stride;
+};
+
+// -> [out [T, Hv*Dv], conv windows (T: [C, K-1] or None), states (T: [Hv, Dk, Dv] or None)]
 std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,
                                             const torch::Tensor& a, const torch::Tensor& conv_w,
                                             const torch::Tensor& a_scale, const torch::Tensor& dt_bias,
                                             const torch::Tensor& norm_w, double eps, int64_t nk, int64_t dk,
                                             int64_t nv, int64_t dv, bool tiled, const std::vector<int64_t>& parents,
                                             const std::vector<torch::Tensor>& start_convs,
-                                            const std::vector<torch::Tensor>& start_states) {
+                                            const std::vector<torch::Tensor>& start_states,
+                                            const std::vector<bool>& keep) {
   const int64_t T = mixed.size(0), C = 2 * nk * dk + nv * dv;
   TORCH_CHECK(nk > 0 && nv % nk == 0, "value heads must be a multiple of key heads");
   TORCH_CHECK(mixed.dim() == 2 && mixed.size(1) == C, "mixed must be [T, 2*Hk*Dk + Hv*Dv]");
@@ -98,11 +133,16 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
   check_f32(dt_bias, "dt_bias", nv);
   check_f32(norm_w, "norm weight", dv);
   TORCH_CHECK(static_cast<int64_t>(parents.size()) == T, "one parent per row");
+  TORCH_CHECK(static_cast<int64_t>(keep.size()) == T, "one keep flag per row");
   std::vector<int64_t> start_of(T, -1);  // a row without a parent: its place in start_convs / start_states
+  std::vector<char> kept(keep.begin(), keep.end());
   int64_t starts = 0;
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(parents[t] < t, "a row's parent comes before it");
-    if (parents[t] < 0) start_of[t] = starts++;
+    if (parents[t] < 0)
+      start_of[t] = starts++;
+    else if (parents[t] != t - 1)
+      kept[parents[t]] = 1;  // continued out of order: its state must outlive the next row
   }
   TORCH_CHECK(static_cast<int64_t>(start_convs.size()) == starts && static_cast<int64_t>(start_states.size()) == starts,
               "one start window and state per row without a parent");
@@ -112,12 +152,28 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
   }
   auto opts = mixed.options();
   auto out = torch::empty({T, nv * dv}, opts);
-  std::vector<torch::Tensor> convs, states;
-  convs.reserve(T);
-  states.reserve(T);
+  std::vector<torch::Tensor> convs(T), states(T);
+  for (int64_t t = 0; t < T; ++t)
+    if (kept[t]) {
+      convs[t] = torch::empty({C, K - 1}, opts);
+      states[t] = torch::empty({nv, dk, dv}, opts);
+    }
+  // Each row's window, oldest first: its ancestors' inputs, then (past the pass's start) its start window.
+  std::vector<Tap> taps(T * std::max<int64_t>(K - 1, 1));
+  const float* xp = mixed.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    convs.push_back(torch::empty({C, K - 1}, opts));
-    states.push_back(torch::empty({nv, dk, dv}, opts));
+    int64_t row = t;
+    for (int64_t j = K - 2; j >= 0; --j) {  // the input j places before this row's, newest first
+      const int64_t p = parents[row];
+      if (p >= 0) {
+        taps[t * (K - 1) + j] = {xp + p * C, 1};
+        row = p;
+      } else {  // the rest from the start window of the path's first row: its newest columns
+        const float* win = start_convs[start_of[row]].data_ptr<float>();
+        for (int64_t m = j; m >= 0; --m) taps[t * (K - 1) + m] = {win + (K - 1) - (j - m) - 1, K - 1};
+        break;
+      }
+    }
   }
   qd_api::ReleaseGil nogil;
   const float* wp = conv_w.data_ptr<float>();
@@ -126,29 +182,27 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
   const float* nwp = norm_w.data_ptr<float>();
   const int64_t rep = nv / nk;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(dk));
-  std::vector<float> qkv(C);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* prev_conv = (parents[t] < 0 ? start_convs[start_of[t]] : convs[parents[t]]).data_ptr<float>();
-    const float* prev_state = (parents[t] < 0 ? start_states[start_of[t]] : states[parents[t]]).data_ptr<float>();
-    float* conv_out = convs[t].data_ptr<float>();
-    float* state_out = states[t].data_ptr<float>();
-    const float* x = mixed.data_ptr<float>() + t * C;
-    // the causal depthwise convolution over (window, x), SiLU; the window moves on by one
+  std::vector<float> qkv(T * C);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {  // phase 1: the convolution, SiLU and norms of every row
+    const Tap* tap = taps.data() + t * (K - 1);
+    const float* x = xp + t * C;
+    float* q = qkv.data() + t * C;
     for (int64_t c = 0; c < C; ++c) {
-      const float* win = prev_conv + c * (K - 1);
-      const float* w = wp + c * K;
-      float acc = K > 1 ? win[0] * w[0] : x[c] * w[0];
-      for (int64_t j = 1; j < K - 1; ++j) acc += win[j] * w[j];
-      if (K > 1) acc += x[c] * w[K - 1];
-      qkv[c] = silu(acc);
-      if (K > 1) {
-        for (int64_t j = 0; j + 1 < K - 1; ++j) conv_out[c * (K - 1) + j] = win[j + 1];
-        conv_out[c * (K - 1) + K - 2] = x[c];
+      float acc = K > 1 ? tap[0].base[c * tap[0].stride] * wp[c * K] : x[c] * wp[c * K];
+      for (int64_t j = 1; j < K - 1; ++j) acc += tap[j].base[c * tap[j].stride] * wp[c * K + j];
+      if (K > 1) acc += x[c] * wp[c * K + K - 1];
+      q[c] = acc;
+    }
+    silu_inplace(q, C);
+    if (kept[t] && K > 1) {  // the window this row leaves: the previous K-2 inputs, then its own
+      float* w = convs[t].data_ptr<float>();
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t j = 0; j + 1 < K - 1; ++j) w[c * (K - 1) + j] = tap[j + 1].base[c * tap[j + 1].stride];
+        w[c * (K - 1) + K - 2] = x[c];
       }
     }
-    float* q = qkv.data();
     float* k = q + nk * dk;
-    const float* v = k + nk * dk;
     for (int64_t h = 0; h < nk; ++h) {
       const float qn = 1.0f / std::sqrt(sum_squares(q + h * dk, dk) + 1e-6f);
       const float kn = 1.0f / std::sqrt(sum_squares(k + h * dk, dk) + 1e-6f);
@@ -157,24 +211,29 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
         k[h * dk + i] = k[h * dk + i] * kn;
       }
     }
-    const float* bt = b.data_ptr<float>() + t * nv;
-    const float* at = a.data_ptr<float>() + t * nv;
-    const float* zt = z.data_ptr<float>() + t * nv * dv;
-    float* ot = out.data_ptr<float>() + t * nv * dv;
+  }
 #pragma omp parallel
-    {
-      std::vector<float> r(dv);
+  {
+    std::vector<float> r(dv), scratch(dk * dv);
 #pragma omp for schedule(static)
-      for (int64_t h = 0; h < nv; ++h) {
-        const int64_t kh = tiled ? h % nk : h / rep;
-        const float beta = sigmoid(bt[h]);
-        const float decay = std::exp(asp[h] * softplus(at[h] + dtp[h]));
-        float* o = ot + h * dv;
-        head_step(prev_state + h * dk * dv, state_out + h * dk * dv, k + kh * dk, q + kh * dk, v + h * dv, beta,
-                  decay, dk, dv, r.data(), o);
+    for (int64_t h = 0; h < nv; ++h) {  // phase 2: each value head through the rows in order
+      const int64_t kh = tiled ? h % nk : h / rep;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t p = parents[t];
+        const float* prev = p < 0 ? start_states[start_of[t]].data_ptr<float>() + h * dk * dv
+                            : kept[p]  ? states[p].data_ptr<float>() + h * dk * dv
+                                       : scratch.data();
+        float* next = kept[t] ? states[t].data_ptr<float>() + h * dk * dv : scratch.data();
+        const float* q = qkv.data() + t * C;
+        const float* k = q + nk * dk;
+        const float* v = k + nk * dk;
+        const float beta = sigmoid(b.data_ptr<float>()[t * nv + h]);
+        const float decay = std::exp(asp[h] * softplus(a.data_ptr<float>()[t * nv + h] + dtp[h]));
+        float* o = out.data_ptr<float>() + t * nv * dv + h * dv;
+        head_step(prev, next, k + kh * dk, q + kh * dk, v + h * dv, beta, decay, dk, dv, r.data(), o);
         const float inv = 1.0f / std::sqrt(sum_squares(o, dv) / static_cast<float>(dv) + static_cast<float>(eps));
-        const float* zh = zt + h * dv;
-        for (int64_t j = 0; j < dv; ++j) o[j] = nwp[j] * (o[j] * inv) * silu(zh[j]);
+        const float* zh = z.data_ptr<float>() + t * nv * dv + h * dv;
+        gate(o, zh, nwp, inv, dv);
       }
     }
   }
@@ -189,9 +248,10 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
 void register_delta(pybind11::module& m) {
   m.def("gated_delta_rows", &gated_delta_rows,
         "Gated DeltaNet rows (convolution, gates, delta rule, gated RMSNorm), each continuing its parent row's "
-        "state or the one it is handed -> [out [T, Hv*Dv], T windows [C, K-1], T states [Hv, Dk, Dv]]",
+        "state or the one it is handed -> [out [T, Hv*Dv], T windows [C, K-1], T states [Hv, Dk, Dv]] (None for the "
+        "rows keep leaves out)",
         pybind11::arg("mixed"), pybind11::arg("z"), pybind11::arg("b"), pybind11::arg("a"), pybind11::arg("conv_w"),
         pybind11::arg("a_scale"), pybind11::arg("dt_bias"), pybind11::arg("norm_w"), pybind11::arg("eps"),
         pybind11::arg("nk"), pybind11::arg("dk"), pybind11::arg("nv"), pybind11::arg("dv"), pybind11::arg("tiled"),
-        pybind11::arg("parents"), pybind11::arg("start_convs"), pybind11::arg("start_states"));
+        pybind11::arg("parents"), pybind11::arg("start_convs"), pybind11::arg("start_states"), pybind11::arg("keep"));
 }

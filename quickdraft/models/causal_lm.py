@@ -140,6 +140,10 @@ class CausalLM(nn.Module):
             if mask is None:
                 mask = causal_mask(start, t, device)
             step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+        if num_logits is not None:
+            step.outputs = list(range(t - num_logits, t))
+        elif logit_rows is not None:
+            step.outputs = logit_rows.tolist()
         x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
         stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS else None

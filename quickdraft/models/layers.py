@@ -278,6 +278,9 @@ class Step:
     # What every layer takes besides the hidden state, computed once per pass by
     # :meth:`CausalLM.layer_inputs` (Gemma 4's per-layer embeddings [T, layers, P]); None for most models.
     layer_inputs: torch.Tensor | None = None
+    # The rows whose results the pass returns (None: every row): the only rows a caller can continue
+    # or roll back to, so the only ones whose recurrent state a hybrid model's cache must keep.
+    outputs: list[int] | None = None
     _parents: list[int] | None = field(default=None, repr=False)
     _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
         default_factory=dict, repr=False

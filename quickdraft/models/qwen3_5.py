@@ -105,6 +105,9 @@ class GatedDeltaNet(nn.Module):
             return cache.state(self.index)
 
         starts = [before(i) for i, p in enumerate(parents) if p < 0]
+        cache = step.cache
+        assert isinstance(cache, HybridCache)
+        keep = cache.kept_rows()
         mod = active_kernels()
         if mod is not None and mixed.dtype == torch.float32 and not mixed.is_cuda and not torch.is_grad_enabled() \
                 and all(s.dtype == torch.float32 for start in starts for s in start):
@@ -112,12 +115,12 @@ class GatedDeltaNet(nn.Module):
                 mixed.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), self.conv1d.weight,
                 -self.A_log.float().exp(), self.dt_bias.float(),
                 self.norm.weight, self.norm.eps, self.nk, self.dk, self.nv, self.dv, self.tiled, parents,
-                [c for c, _ in starts], [m for _, m in starts])
-            states = list(zip(rows[: len(parents)], rows[len(parents):], strict=True))
+                [c for c, _ in starts], [m for _, m in starts], keep)
+            states = [(c, m) if c is not None and m is not None else None
+                      for c, m in zip(rows[: len(parents)], rows[len(parents):], strict=True)]
         else:
-            out, states = self._rows(mixed, z, b, a, parents, starts)
-        cache = step.cache
-        assert isinstance(cache, HybridCache)
+            out, every = self._rows(mixed, z, b, a, parents, starts)
+            states = [s if kept else None for s, kept in zip(every, keep, strict=True)]
         cache.record(self.index, states)
         return self.out_proj(out)
 
@@ -257,7 +260,7 @@ class CausalLM(causal_lm.CausalLM):
         cache = step.cache
         if not isinstance(cache, HybridCache):
             raise ValueError("a hybrid model runs on caches from its own make_cache()")
-        cache.begin_rows(step.row_parents())
+        cache.begin_rows(step.row_parents(), step.outputs)
         return super()._layers(x, step, capture)
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
