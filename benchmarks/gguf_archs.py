@@ -1,21 +1,54 @@
 """The 2026 families as GGUF files, quickdraft vs llama.cpp on the same file: GPT-OSS (MXFP4
-experts, sinks, alternating sliding windows) and Gemma 4 (per-layer embeddings, KV sharing, two
-head sizes), random weights in the formats the released GGUFs use.
+experts, sinks, alternating sliding windows), Gemma 4 (per-layer embeddings, KV sharing, two
+head sizes; the 26B-A4B's experts beside the MLP) and Qwen3.5 (Gated DeltaNet hybrids, dense and
+MoE), random weights in the formats the released GGUFs use.
 
 No GPT-OSS, Gemma 4 or Qwen3.5 checkpoint is installable here (../shared/MODELS.md pins none), so
 the file holds random valid blocks of the real models' layer shapes, fewer layers, and the real
 models' vocabulary size (``--vocab real``, the default: 201,088 / 262,144 / 248,320 rows of
 embedding and output head, the tests' tiny BPE padded with unused tokens, so the head weighs in a
 decode step as in the released files; ``--vocab tiny``: the 300-token tokenizer alone, the layers
-only). Both engines read the same file:
+only). ``--size`` picks the released model of a family (default: the first below). Both engines
+read the same file:
 
 * ``gpt-oss``: gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, sinks, window 128
   on every other layer, 32 experts of width 2880, top 4, YaRN), experts MXFP4, attention Q8_0;
-* ``qwen35``: Qwen3.5-0.8B's layers (hidden 1024, Gated DeltaNet layers of 16 x 128 q/k and value
-  heads between gated full-attention layers of 8 x 256 / 2 KV heads every 4th), matrices Q8_0;
-* ``gemma4``: gemma-4-E2B's layer (hidden 1536, 8 query / 1 KV head, head size 256 / 512 on full
-  layers, MLP 6144, double-wide on KV-sharing layers, per-layer inputs of 256, window 512),
-  matrices Q8_0, the last layers reusing keys and values.
+* ``qwen35 --size 0.8b``: Qwen3.5-0.8B's layers (hidden 1024, Gated DeltaNet layers of 16 x 128
+  q/k and value heads between gated full-attention layers of 8 x 256 / 2 KV heads every 4th, MLP
+  3584), matrices Q8_0;
+* ``qwen35 --size 4b``: Qwen3.5-4B's (hidden 2560, 32 layers in the release; Gated DeltaNet 16 q/k
+  heads and 32 value heads of 128; full attention 16 x 256 / 4 KV heads every 4th; MLP 9216;
+  RoPE on 64 dims, base 1e7), matrices Q8_0. Source: the GGUF metadata of a Qwen3.5-4B Q4_K_M file
+  (ollama.com/turintech/qwen3.5-4b-artemis:q4_k_m: qwen35.embedding_length 2560, block_count 32,
+  head_count 16 / head_count_kv 4, key_length 256, feed_forward_length 9216, ssm.group_count 16,
+  ssm.time_step_rank 32, ssm.inner_size 4096, ssm.state_size 128);
+* ``qwen35moe``: Qwen3.5-35B-A3B's (hidden 2048, 40 layers in the release, Gated DeltaNet 16 q/k
+  and 32 value heads of 128, full attention 16 x 256 / 2 KV heads every 4th, 256 routed experts
+  of width 512, top 8 renormalised, a shared expert of 512 with its sigmoid gate, no dense MLP:
+  llama.cpp's converter writes no ``feed_forward_length``). Sources: transformers 5's
+  Qwen3_5MoeTextConfig defaults (documented as Qwen/Qwen3.5-35B-A3B's) and the metadata and
+  tensor table of a released Qwen3.6-35B-A3B UD-Q4_K_M file (the same ``qwen35moe`` layout),
+  whose formats the file copies: routed gate / up Q4_K, down Q5_K; the shared expert, attention
+  and Gated DeltaNet projections Q8_0 (alpha / beta float32); router float32; head Q6_K;
+* ``gemma4 --size e2b``: gemma-4-E2B's layer (hidden 1536, 8 query / 1 KV head, head size 256 /
+  512 on full layers, MLP 6144, double-wide on KV-sharing layers, per-layer inputs of 256, window
+  512), matrices Q8_0, the last layers reusing keys and values;
+* ``gemma4 --size 26b-a4b``: gemma-4-26B-A4B's (hidden 2816, 30 layers in the release, every 6th
+  full and the last one full here; 16 query heads, 8 KV heads of 256 on sliding layers, 2 of 512
+  on full ones with keys as values; window 1024; a GELU MLP of 2112 beside 128 experts of 704, top
+  8, with the router's scales; no per-layer inputs or KV sharing). Source: the GGUF metadata of
+  ollama.com/library/gemma4:26b-a4b-it-q4_K_M (gemma4.embedding_length 2816, block_count 30,
+  head_count 16, key_length 512 / key_length_swa 256, sliding_window 1024, expert_count 128,
+  expert_used_count 8, expert_feed_forward_length 704, feed_forward_length 2112, shared_kv_layers
+  0, embedding_length_per_layer_input 0; its sliding_window_pattern begins with 5 sliding layers, and
+  the release has 25 sliding + 5 full); the full layers' 2 KV heads as a Gemma 4 GGUF reader
+  describes the file (github.com/ave-veritas-et-enodatio/go-inference-lab-bench,
+  models/arch/gemma4.arch.toml). Formats: llama.cpp's Q4_K_M rule for experts (gate / up Q4_K;
+  down Q4_K, whose 704-wide rows fall back to Q5_0 in llama-quant.cpp), the rest Q8_0, router
+  float32.
+
+Layer kinds with fewer layers than the release: Qwen3.5's every 4th is full attention (``--layers
+4``: 3 Gated DeltaNet + 1 full); Gemma 4 26B-A4B's every 6th and the last.
 
 Measured, alternating the two engines ``--rounds`` times: quickdraft's decode tokens/s (``dtype
 auto``: the blocks kept, q8 activations, plain greedy, after a 64-token prompt) and llama.cpp's
@@ -26,6 +59,9 @@ with the command and versions goes to benchmarks/results/gguf_archs/.
 
     .venv/bin/python benchmarks/gguf_archs.py --arch gpt-oss --layers 4
     .venv/bin/python benchmarks/gguf_archs.py --arch gemma4 --layers 6 --llama-bench ~/.cache/quickdraft/llamacpp-native/bin/llama-bench
+    .venv/bin/python benchmarks/gguf_archs.py --arch gemma4 --size 26b-a4b --layers 6
+    .venv/bin/python benchmarks/gguf_archs.py --arch qwen35 --size 4b --layers 8
+    .venv/bin/python benchmarks/gguf_archs.py --arch qwen35moe --layers 4
 """
 
 from __future__ import annotations
@@ -57,10 +93,24 @@ def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, le
     bs, ts = gguf.GGML_QUANT_SIZES[qtype]
     nb = int(np.prod(lead, dtype=np.int64)) * rows * (cols // bs)
     raw = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
+
+    def half(at: int, value: float) -> None:  # an fp16 field of every block
+        raw[:, at:at + 2] = np.full(nb, value / cols**0.5, dtype=np.float16).view(np.uint8).reshape(nb, 2)
+
+    # the scales below give random bytes' weights a standard deviation of about 1/sqrt(cols)
     if qtype == Q.Q8_0:  # fp16 d, 32 int8: |w| ~ d * 64
-        raw[:, :2] = np.full(nb, 1.0 / (64 * cols**0.5), dtype=np.float16).view(np.uint8).reshape(nb, 2)
+        half(0, 1.0 / 64)
     elif qtype == Q.MXFP4:  # E8M0 e: w = 2^(e - 128) * {0 .. 12}
         raw[:, 0] = np.uint8(128 - 3 - int(np.log2(cols) / 2))
+    elif qtype == Q.Q5_0:  # fp16 d, then 5-bit q: w = d * (q - 16)
+        half(0, 1.0 / 9.2)
+    elif qtype in (Q.Q4_K, Q.Q5_K):  # fp16 d, dmin, 6-bit sub-block scales sc / mins m: w = d sc q - dmin m
+        qmax = 15 if qtype == Q.Q4_K else 31
+        d = 1.0 / (257 if qtype == Q.Q4_K else 524)
+        half(0, d)
+        half(2, d * qmax / 2)  # (dmin m cancels d sc q on average)
+    elif qtype == Q.Q6_K:  # ..., int8 sub-block scales, fp16 d last: w = d sc (q - 32)
+        half(ts - 2, 1.0 / 1369)
     else:
         raise ValueError(f"no random blocks for {qtype}")
     return raw.reshape(*lead, rows, cols // bs * ts)
@@ -68,17 +118,23 @@ def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, le
 
 # The released models' vocabularies (their output heads are a real share of a decode step):
 # gpt-oss-20b's o200k_harmony, Gemma 4's, Qwen3.5's.
-REAL_VOCAB = {"gpt-oss": 201_088, "gemma4": 262_144, "qwen35": 248_320}
+REAL_VOCAB = {"gpt-oss": 201_088, "gemma4": 262_144, "qwen35": 248_320, "qwen35moe": 248_320}
+# --size: the released model whose layer shapes a file takes (the first is each family's default)
+SIZES = {"gpt-oss": ("20b",), "gemma4": ("e2b", "26b-a4b"), "qwen35": ("0.8b", "4b"), "qwen35moe": ("35b-a3b",)}
 
 
 def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | None = None,
-               mtp: bool = False) -> dict[str, Any]:
+               mtp: bool = False, size: str | None = None) -> dict[str, Any]:
     """The random file (``vocab``: rows of the embedding and head, the tiny tokenizer's padded
     with unused tokens; None: the tiny tokenizer's own; ``mtp``: Qwen3.5's multi-token-prediction
-    block after the layers, as llama.cpp's converter writes it); returns its shape summary."""
+    block after the layers, as llama.cpp's converter writes it; ``size``: one of :data:`SIZES`,
+    default the family's first); returns its shape summary."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
+    size = size or SIZES[arch][0]
+    if size not in SIZES[arch]:
+        raise SystemExit(f"--size {size}: {arch} files come in {', '.join(SIZES[arch])}")
     rng = np.random.default_rng(seed)
     vocab = max(vocab or 0, tokenizer_vocab_size())
     w = gguf.GGUFWriter(str(path), arch)
@@ -98,9 +154,10 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
     def quant(name: str, qtype: Any, rows: int, cols: int, lead: tuple[int, ...] = ()) -> None:
         w.add_tensor(name, random_blocks(qtype, rows, cols, rng, lead), raw_dtype=qtype)
 
-    def attention(hidden: int, ff: int | list[int], heads: int, kv_heads: int | list[int], head_dim: int) -> None:
+    def attention(hidden: int, ff: int | list[int] | None, heads: int, kv_heads: int | list[int], head_dim: int) -> None:
         w.add_embedding_length(hidden)
-        w.add_feed_forward_length(ff)
+        if ff is not None:  # (None: Qwen3.5-MoE's converter writes no feed_forward_length)
+            w.add_feed_forward_length(ff)
         w.add_head_count(heads)
         w.add_head_count_kv(kv_heads)
         w.add_key_length(head_dim)
@@ -137,6 +194,57 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
                 f32(b + name + ".bias", experts, rows)
         shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "experts": experts, "top_k": top,
                  "expert_width": inter, "window": 128, "experts_format": "MXFP4", "attention_format": "Q8_0"}
+    elif arch == "gemma4" and size == "26b-a4b":
+        h, nh, hd, ghd, inter, window = 2816, 16, 256, 512, 2112, 1024
+        nkv, gkv, experts, top, expert_inter = 8, 2, 128, 8, 704
+        # every 6th layer full (25 sliding + 5 full of 30), the last one full; full layers use their
+        # keys as values (no attn_v) and 2 KV heads of 512; no per-layer inputs, no KV sharing
+        swa = [(i + 1) % 6 != 0 for i in range(layers)]
+        swa[-1] = False
+        attention(h, [inter] * layers, nh, [nkv if s else gkv for s in swa], ghd)
+        w.add_key_length_swa(hd)
+        w.add_value_length_swa(hd)
+        w.add_rope_dimension_count(ghd)
+        w.add_rope_dimension_count_swa(hd)
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_rope_freq_base_swa(10_000.0)
+        w.add_sliding_window(window)
+        w.add_sliding_window_pattern(swa)
+        w.add_shared_kv_layers(0)
+        w.add_embedding_length_per_layer_input(0)
+        w.add_final_logit_softcapping(30.0)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(top)
+        w.add_expert_feed_forward_length(expert_inter)
+        rot = ghd // 8
+        w.add_tensor("rope_freqs.weight", np.array([1.0] * rot + [1e30] * (ghd // 2 - rot), dtype=np.float32))
+        quant("token_embd.weight", Q.Q8_0, vocab, h)
+        f32("output_norm.weight", h, value=1.0)
+        for i in range(layers):
+            b, d, kv = f"blk.{i}.", (hd if swa[i] else ghd), (nkv if swa[i] else gkv)
+            for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
+                      "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                f32(b + n + ".weight", h, value=1.0)
+            f32(b + "layer_output_scale.weight", 1, value=1.0)
+            quant(b + "attn_q.weight", Q.Q8_0, nh * d, h)
+            f32(b + "attn_q_norm.weight", d, value=1.0)
+            quant(b + "attn_k.weight", Q.Q8_0, kv * d, h)
+            f32(b + "attn_k_norm.weight", d, value=1.0)
+            if swa[i]:
+                quant(b + "attn_v.weight", Q.Q8_0, kv * d, h)
+            quant(b + "attn_output.weight", Q.Q8_0, h, nh * d)
+            quant(b + "ffn_gate.weight", Q.Q8_0, inter, h)  # (the dense GELU MLP beside the experts)
+            quant(b + "ffn_up.weight", Q.Q8_0, inter, h)
+            quant(b + "ffn_down.weight", Q.Q8_0, h, inter)
+            f32(b + "ffn_gate_inp.weight", experts, h)  # the router, its input scale, per-expert scales
+            f32(b + "ffn_gate_inp.scale", h, value=1.0)
+            f32(b + "ffn_down_exps.scale", experts, value=1.0)
+            # Q4_K_M: Q4_K, but 704-wide down rows are no multiple of 256: llama.cpp's fallback Q5_0
+            quant(b + "ffn_gate_up_exps.weight", Q.Q4_K, 2 * expert_inter, h, (experts,))
+            quant(b + "ffn_down_exps.weight", Q.Q5_0, h, expert_inter, (experts,))
+        shape = {"size": size, "hidden": h, "heads": nh, "kv_heads": [nkv, gkv], "head_dim": hd, "global_head_dim": ghd,
+                 "intermediate": inter, "window": window, "experts": experts, "top_k": top,
+                 "expert_width": expert_inter, "experts_format": "Q4_K gate / up, Q5_0 down", "format": "Q8_0"}
     elif arch == "gemma4":
         h, nh, nkv, hd, ghd, inter, ple, window = 1536, 8, 1, 256, 512, 6144, 256, 512
         # E2B's layout, shortened: a full layer every 5th, the last third reusing the keys and values
@@ -188,10 +296,18 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
             quant(b + "proj.weight", Q.Q8_0, h, ple)
         shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "global_head_dim": ghd,
                  "intermediate": inter, "per_layer_input": ple, "window": window, "kv_shared_layers": shared,
-                 "format": "Q8_0"}
-    elif arch == "qwen35":
-        h, nh, nkv, hd, inter = 1024, 8, 2, 256, 3584
-        nk, nv, dk, dv, conv = 16, 16, 128, 128, 4
+                 "format": "Q8_0", "size": size}
+    elif arch in ("qwen35", "qwen35moe"):
+        moe = arch == "qwen35moe"
+        # hidden, query / KV heads of the full-attention layers and their size, MLP width (dense sizes);
+        # Gated DeltaNet key heads, value heads, their sizes
+        h, nh, nkv, hd, inter, nk, nv, dk, dv = {
+            "0.8b": (1024, 8, 2, 256, 3584, 16, 16, 128, 128),
+            "4b": (2560, 16, 4, 256, 9216, 16, 32, 128, 128),
+            "35b-a3b": (2048, 16, 2, 256, None, 16, 32, 128, 128),
+        }[size]
+        conv = 4
+        experts, top, expert_inter, shared_inter = 256, 8, 512, 512  # (qwen35moe)
         kinds = [(i + 1) % 4 != 0 for i in range(layers)]  # True: Gated DeltaNet; every 4th full attention
         attention(h, inter, nh, nkv, hd)
         w.add_rope_dimension_count(hd // 4)
@@ -202,16 +318,24 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
         w.add_ssm_group_count(nk)
         w.add_ssm_time_step_rank(nv)
         w.add_ssm_inner_size(dv * nv)
-        w.add_array("qwen35.attention.recurrent_layers", kinds + [False] * int(mtp))
-        w.add_uint32("qwen35.full_attention_interval", 4)
+        w.add_array(f"{arch}.attention.recurrent_layers", kinds + [False] * int(mtp))
+        w.add_uint32(f"{arch}.full_attention_interval", 4)
+        if moe:
+            w.add_expert_count(experts)
+            w.add_expert_used_count(top)
+            w.add_expert_feed_forward_length(expert_inter)
+            w.add_expert_shared_feed_forward_length(shared_inter)
         if mtp:  # one full-attention block after the layers, fed [embedding, hidden state] through eh_proj
             kinds.append(False)
-            w.add_uint32("qwen35.nextn_predict_layers", 1)
+            w.add_uint32(f"{arch}.nextn_predict_layers", 1)
             quant(f"blk.{layers}.nextn.eh_proj.weight", Q.Q8_0, h, 2 * h)
             for name in ("enorm", "hnorm", "shared_head_norm"):
                 f32(f"blk.{layers}.nextn.{name}.weight", h, value=0.0)
+        # Qwen3.5-35B-A3B's Q4_K_M file: the head Q6_K, the router and the Gated DeltaNet's alpha / beta
+        # projections float32; everything else outside the routed experts Q8_0 (as every matrix of the
+        # dense files here)
         quant("token_embd.weight", Q.Q8_0, vocab, h)
-        quant("output.weight", Q.Q8_0, vocab, h)
+        quant("output.weight", Q.Q6_K if moe else Q.Q8_0, vocab, h)
         f32("output_norm.weight", h, value=0.0)  # (norms stored as 1 + w)
         for i in range(len(kinds)):
             b = f"blk.{i}."
@@ -220,8 +344,11 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
             if kinds[i]:
                 quant(b + "attn_qkv.weight", Q.Q8_0, 2 * nk * dk + nv * dv, h)
                 quant(b + "attn_gate.weight", Q.Q8_0, nv * dv, h)
-                quant(b + "ssm_beta.weight", Q.Q8_0, nv, h)
-                quant(b + "ssm_alpha.weight", Q.Q8_0, nv, h)
+                for name in ("ssm_beta", "ssm_alpha"):
+                    if moe:
+                        f32(b + name + ".weight", nv, h)
+                    else:
+                        quant(b + name + ".weight", Q.Q8_0, nv, h)
                 f32(b + "ssm_conv1d.weight", 2 * nk * dk + nv * dv, conv)
                 f32(b + "ssm_dt.bias", nv)
                 f32(b + "ssm_a", nv, value=-1.0)
@@ -234,11 +361,24 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
                 quant(b + "attn_output.weight", Q.Q8_0, h, nh * hd)
                 f32(b + "attn_q_norm.weight", hd, value=1.0)
                 f32(b + "attn_k_norm.weight", hd, value=1.0)
-            quant(b + "ffn_gate.weight", Q.Q8_0, inter, h)
-            quant(b + "ffn_up.weight", Q.Q8_0, inter, h)
-            quant(b + "ffn_down.weight", Q.Q8_0, h, inter)
-        shape = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "linear_heads": [nk, nv],
+            if moe:  # routed experts (gate, up Q4_K; down Q5_K) and the shared one with its sigmoid gate
+                f32(b + "ffn_gate_inp.weight", experts, h)
+                quant(b + "ffn_gate_exps.weight", Q.Q4_K, expert_inter, h, (experts,))
+                quant(b + "ffn_up_exps.weight", Q.Q4_K, expert_inter, h, (experts,))
+                quant(b + "ffn_down_exps.weight", Q.Q5_K, h, expert_inter, (experts,))
+                f32(b + "ffn_gate_inp_shexp.weight", h)
+                quant(b + "ffn_gate_shexp.weight", Q.Q8_0, shared_inter, h)
+                quant(b + "ffn_up_shexp.weight", Q.Q8_0, shared_inter, h)
+                quant(b + "ffn_down_shexp.weight", Q.Q8_0, h, shared_inter)
+            else:
+                quant(b + "ffn_gate.weight", Q.Q8_0, inter, h)
+                quant(b + "ffn_up.weight", Q.Q8_0, inter, h)
+                quant(b + "ffn_down.weight", Q.Q8_0, h, inter)
+        shape = {"size": size, "hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "linear_heads": [nk, nv],
                  "linear_head_dims": [dk, dv], "intermediate": inter, "format": "Q8_0", "mtp_layers": int(mtp)}
+        if moe:
+            shape.update(experts=experts, top_k=top, expert_width=expert_inter, shared_expert_width=shared_inter,
+                         experts_format="Q4_K gate / up, Q5_K down", head_format="Q6_K")
     else:
         raise SystemExit(f"unknown --arch {arch}")
     w.write_header_to_file()
@@ -345,7 +485,10 @@ def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=("gpt-oss", "gemma4", "qwen35"), required=True)
+    ap.add_argument("--arch", choices=tuple(SIZES), required=True)
+    ap.add_argument("--size", default=None,
+                    help="the released model whose layer shapes the file takes: " + "; ".join(
+                        f"{a}: {' | '.join(s)}" for a, s in SIZES.items()) + " (default: the first)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -368,9 +511,11 @@ def main() -> None:
     from quickdraft.bench.report import environment
 
     torch.set_num_threads(args.threads)
-    path = args.file or Path(f"/tmp/quickdraft-random-{args.arch}-{args.layers}-{vocab or 'tiny'}"
+    size = args.size or SIZES[args.arch][0]
+    tag = args.arch if size == SIZES[args.arch][0] else f"{args.arch}-{size}"  # (the default size: names as before)
+    path = args.file or Path(f"/tmp/quickdraft-random-{tag}-{args.layers}-{vocab or 'tiny'}"
                              f"{'-mtp' if args.mtp else ''}.gguf")
-    shape = write_gguf(args.arch, args.layers, path, vocab=vocab, mtp=args.mtp)
+    shape = write_gguf(args.arch, args.layers, path, vocab=vocab, mtp=args.mtp, size=size)
     print(f"{path} ({path.stat().st_size / 2**30:.2f} GiB): {shape}")
     from quickdraft.loading.load import load_model
 
@@ -402,7 +547,7 @@ def main() -> None:
     step_bytes = active_bytes(path, shape)
     bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", "llama.cpp") if k in med}
     mtp = mtp_cost(loaded, args.tokens, passes, 1.0 / med["quickdraft"], args.rounds) if args.mtp else None
-    print(f"\n{args.arch}, {args.layers} layers, vocabulary {shape['vocab']}, {args.threads} threads, tokens/s "
+    print(f"\n{tag}, {args.layers} layers, vocabulary {shape['vocab']}, {args.threads} threads, tokens/s "
           f"(median of {args.rounds}; prefill: a {args.prefill}-token prompt):")
     for k, v in med.items():
         print(f"  {k:18s} {v:8.2f}")
@@ -419,7 +564,7 @@ def main() -> None:
         print(f"  projected speed-up at {PUBLISHED_ACCEPTANCE} acceptance per token: "
               + ", ".join(f"chain {k} {x:.2f}x" for k, x in mtp["projected"].items()))
     OUT.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"{args.arch}-{args.layers}l{'' if args.vocab == 'real' else '-vocab-' + args.vocab}"
+    name = args.name or f"{tag}-{args.layers}l{'' if args.vocab == 'real' else '-vocab-' + args.vocab}"
     out = OUT / f"{name}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
                                "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,

@@ -197,7 +197,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         model_type=ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         hidden_size=hidden,
-        intermediate_size=int(first(get("feed_forward_length"))),
+        intermediate_size=int(first(_feed_forward_length(meta, arch) or get("feed_forward_length"))),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(first(get("attention.head_count_kv", heads))),
@@ -223,6 +223,15 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     if meta.get(f"{arch}.expert_count"):
         cfg = dataclasses.replace(cfg, **_moe_fields(meta, cfg, arch, tensor_names))
     return cfg
+
+
+def _feed_forward_length(meta: dict[str, Any], arch: str) -> Any:
+    """The dense MLP width; for a MoE file without one (llama.cpp's Qwen3.5-MoE converter writes no
+    ``feed_forward_length``: every layer is routed) the shared expert's, else the routed experts'."""
+    value = meta.get(f"{arch}.feed_forward_length")
+    if value is None and meta.get(f"{arch}.expert_count"):
+        value = meta.get(f"{arch}.expert_shared_feed_forward_length") or meta.get(f"{arch}.expert_feed_forward_length")
+    return value
 
 
 def _moe_fields(meta: dict[str, Any], cfg: ModelConfig, arch: str, tensor_names: set[str]) -> dict[str, Any]:
@@ -560,5 +569,7 @@ def iter_tensors(
             w = np.log(-w)
         elif name.endswith(".conv1d.weight"):  # [C, K] -> the depthwise Conv1d's [C, 1, K]
             w = w[:, None, :]
+        elif name.endswith(".shared_expert_gate.weight") and w.ndim == 1:  # llama.cpp's [H] -> the gate's [1, H]
+            w = w[None, :]
         yield name, torch.from_numpy(np.ascontiguousarray(w))
     dequantized.report()
