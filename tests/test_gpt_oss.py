@@ -214,8 +214,8 @@ def test_gguf_matches_transformers_and_keeps_mxfp4_experts(folder: Path, tmp_pat
 @pytest.mark.parametrize("qtype", ["MXFP4", "Q8_0", "Q4_0"])  # (the tiny rows are 64 wide: 32-blocks)
 def test_one_token_experts_in_one_call_are_bitwise_each_experts_own(folder: Path, tmp_path: Path, qtype: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A one-token step runs its chosen experts' gate and up projections as one kernel call
-    (mix_experts): every expert's output, and the layer's, is bitwise what each expert computes
+    """A one-token step runs its chosen experts' gate and up projections as one kernel call and
+    their down projections as another (mix_experts): every expert's output, and the layer's, is bitwise what each expert computes
     on its own, for the expert formats the released files hold; whole rows of a pass and
     speculation stay plain decoding's."""
     from quickdraft.models import layers
@@ -225,12 +225,16 @@ def test_one_token_experts_in_one_call_are_bitwise_each_experts_own(folder: Path
     quant = load_model(str(path), dtype="auto", max_context=256)
     moe = quant.model.model.layers[1].mlp
     assert all(isinstance(e.gate_proj, GGMLLinear) for e in moe.experts)
-    calls: list[int] = []
-    real = layers.ggml_linear_multi
+    calls: list[tuple[str, int]] = []
+    real, real_each = layers.ggml_linear_multi, layers.ggml_linear_each
 
     def counted(modules: list[Any], x: torch.Tensor) -> list[torch.Tensor]:
-        calls.append(len(modules))
+        calls.append(("shared input", len(modules)))
         return real(modules, x)
+
+    def counted_each(modules: list[Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(("own inputs", len(modules)))
+        return real_each(modules, xs)
 
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -242,8 +246,9 @@ def test_one_token_experts_in_one_call_are_bitwise_each_experts_own(folder: Path
             calls.clear()
             with monkeypatch.context() as m:
                 m.setattr(layers, "ggml_linear_multi", counted)
+                m.setattr(layers, "ggml_linear_each", counted_each)
                 got = mix_experts(moe.experts, x, weights, experts)
-            assert calls == [4]  # (gate and up of both experts: one call)
+            assert calls == [("shared input", 4), ("own inputs", 2)]  # gate and up of both experts, then both downs
             assert torch.equal(got, want)
     qcase = make_case(quant, TEXT[:60], 12)
     check_scripted(qcase, "partly", 4)

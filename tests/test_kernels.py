@@ -35,6 +35,7 @@ from quickdraft.quant.ggml import (
     LANES_ID,
     activation_block_size,
     default_activation_mode,
+    ggml_linear_each,
     ggml_linear_multi,
     q8_activations_reference,
     quantize_activations_reference,
@@ -714,6 +715,27 @@ def test_linear_multi_equals_separate_calls_bitwise():
     x3 = torch.randn(2, 5, 512)  # leading dims
     for y, m in zip(ggml_linear_multi(mods, x3), mods, strict=True):
         assert y.shape == (2, 5, m.out_features) and torch.equal(y, m(x3))
+
+
+@requires_kernels
+def test_linear_each_is_each_weight_on_its_own_input_bitwise():
+    """Weights each on their own input (a one-token step's expert down projections) in one call:
+    bitwise each weight's own call, for K-quant and 32-block formats, biases, 1 and several rows."""
+    mods, raws = _multi_layers()
+    for t in (1, 3):
+        xs = [torch.randn(t, 512) * (i + 1) for i in range(len(mods))]
+        ys = ggml_linear_each(mods, xs)
+        for y, m, x, raw in zip(ys, mods, xs, raws, strict=True):
+            assert torch.equal(y, m(x)), (t, m.qtype.name)
+            assert_close_q8(y, x, raw, m.qtype, m.bias)
+    mod = kernels.load()
+    assert mod is not None
+    specs = [(m._set_layout(True), m.raw, 512, m.bias) for m in mods]
+    with pytest.raises(RuntimeError, match=r"xs must be .*\[weights, T, in_features\]"):
+        mod.linear_each(torch.zeros(2, 1, 512), specs)
+    set_activation_mode(mods[1], "f32")  # one f32 layer: each module on its own path
+    xs = [torch.randn(1, 512) for _ in mods]
+    assert all(torch.equal(y, m(x)) for y, m, x in zip(ggml_linear_each(mods, xs), mods, xs, strict=True))
 
 
 @requires_kernels

@@ -216,14 +216,14 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> set_tuning(int64_t cls, 
 
 using WeightSpec = qd_api::WeightSpec;
 
-// y_i = x @ dequant(W_i).T (+ b_i) for several weights sharing x, with x quantized to int8 once per
-// mode and all panels of all weights computed in one parallel region. residual (one weight only):
-// y = residual + (x @ W.T + b), added as each output is stored (the bits of torch's residual + y).
-std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
-                                        int64_t nthreads, const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous CPU float32 tensor [T, in_features]");
-  const int64_t T = x.size(0), K = x.size(1);
+// y_i = x_i @ dequant(W_i).T (+ b_i) for several weights, x_i = x[groups == 1 ? 0 : i] (x: [groups, T, K]),
+// each input quantized to int8 once per mode and all panels of all weights computed in one parallel
+// region. residual (one weight only): y = residual + (x @ W.T + b), added as each output is stored
+// (the bits of torch's residual + y).
+std::vector<torch::Tensor> linear_jobs(const torch::Tensor& x, int64_t groups, const std::vector<WeightSpec>& weights,
+                                       int64_t nthreads, const c10::optional<torch::Tensor>& residual) {
+  const int64_t T = x.size(-2), K = x.size(-1);
+  TORCH_CHECK(groups == 1 || groups == static_cast<int64_t>(weights.size()), "one input per weight, or one for all");
   std::vector<torch::Tensor> ys;
   std::vector<q8::Job> jobs;
   for (const auto& [qtype, raw, in_features, bias] : weights) {
@@ -232,6 +232,7 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
     g.qtype = qtype;
     g.K = K;
     g.N = raw.size(0);
+    g.xgroup = groups == 1 ? 0 : static_cast<int>(ys.size());
     TORCH_CHECK(qtype >= q8::LANES_ID, "the q8 kernels take weights in the lane layout: repack_lanes(raw) and ",
                 "type id ", qtype + q8::LANES_ID);
     TORCH_CHECK(q8::init_job(g), "quickdraft kernels: unsupported type id ", qtype);
@@ -264,11 +265,29 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
   const float* xp = x.data_ptr<float>();
   const qd_abi::Tuning tune = tuning_of(qd_abi::tuning_class(T));
   qd_api::ReleaseGil nogil;
+  const int nj = static_cast<int>(jobs.size());
   if (g_isa.load(std::memory_order_relaxed) == ISA_AVX512VNNI)
-    qd_abi::gemm_multi_avx512vnni(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt, tune);
+    qd_abi::gemm_multi_avx512vnni(xp, groups, T, K, jobs.data(), nj, nt, tune);
   else
-    q8::gemm_multi(xp, T, K, jobs.data(), static_cast<int>(jobs.size()), nt, tune);
+    q8::gemm_multi(xp, groups, T, K, jobs.data(), nj, nt, tune);
   return ys;
+}
+
+// Several weights sharing x [T, K] (q/k/v, gate/up), in one call.
+std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
+                                        int64_t nthreads, const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU float32 tensor [T, in_features]");
+  return linear_jobs(x, 1, weights, nthreads, residual);
+}
+
+// Weight i on input xs[i] [T, K] (routed experts' down projections, each reading its own expert's
+// activation), in one call: bitwise each weight's own call.
+std::vector<torch::Tensor> linear_each(const torch::Tensor& xs, const std::vector<WeightSpec>& weights) {
+  TORCH_CHECK(xs.device().is_cpu() && xs.scalar_type() == torch::kFloat32 && xs.dim() == 3 && xs.is_contiguous() &&
+                  xs.size(0) == static_cast<int64_t>(weights.size()),
+              "xs must be a contiguous CPU float32 tensor [weights, T, in_features]");
+  return linear_jobs(xs, static_cast<int64_t>(weights.size()), weights, 0, c10::nullopt);
 }
 
 // int8 products per second of the q8 GEMM's dot step in the build in use (q8::dot_rate)
@@ -438,6 +457,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual [T, out_features] (one weight): residual + x @ W.T (+ b)",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0,
         pybind11::arg("residual") = pybind11::none());
+  m.def("linear_each", &linear_each,
+        "[xs[i] @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)] and inputs xs [weights, T, "
+        "in_features], q8 activations, one call (bitwise each weight's own call)",
+        pybind11::arg("xs"), pybind11::arg("weights"));
   m.def("repack_lanes", &repack_lanes,
         "a copy of GGML blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
         pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("to_lanes"),

@@ -57,8 +57,8 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaMLP(MLP):
-    def finish(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def is_sliding(cfg: ModelConfig, layer: int) -> bool:

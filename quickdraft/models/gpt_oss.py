@@ -89,11 +89,10 @@ class Expert(MLP):
         self.down_proj = Linear(i, h, bias=True)
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def finish(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        glu = gate * rowwise(torch.sigmoid, gate * self.alpha)
-        return self.down_proj((up + 1) * glu).to(x.dtype)  # (MXFP4 experts compute in fp32)
+        return (up + 1) * (gate * rowwise(torch.sigmoid, gate * self.alpha))  # (MXFP4 experts: fp32; finish casts)
 
 
 class DecoderLayer(layers.DecoderLayer):

@@ -16,7 +16,7 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_multi
+from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_each, ggml_linear_multi
 
 ROW_BLOCK = 8  # rows per matmul in the decode/verify path
 BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path
@@ -56,6 +56,14 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     blocks = [F.linear(x[i : i + ROW_BLOCK], weight, bias) for i in range(0, t + pad, ROW_BLOCK)]
     return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
+
+
+def linear_each(modules: list[nn.Module], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[m(x) for m, x in zip(modules, xs)]``; quantized GGML layers with inputs of one shape run as
+    ONE kernel call, with bitwise the same results."""
+    if modules and isinstance(modules[0], GGMLLinear):
+        return ggml_linear_each(modules, xs)
+    return [m(x) for m, x in zip(modules, xs, strict=True)]
 
 
 def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
@@ -464,9 +472,13 @@ class MLP(nn.Module):
         one-token step join theirs in one call, quickdraft.models.moe.mix_experts)."""
         return [self.gate_proj, self.up_proj]
 
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The down projection's input from the input projections' results."""
+        return F.silu(gate) * up
+
     def finish(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The output from the input projections' results (activation, down projection)."""
-        return self.down_proj(F.silu(gate) * up)
+        """The output from the input projections' results (activation, down projection), in x's dtype."""
+        return self.down_proj(self.activate(gate, up)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(x, *linear_group(self.in_projections(), x))

@@ -43,7 +43,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import MLP, Linear, linear_group
+from quickdraft.models.layers import MLP, Linear, linear_each, linear_group
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
 ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)
@@ -140,11 +140,13 @@ def mix_experts(
     mlps = [m for m in chosen if isinstance(m, MLP)]
     if chosen and len(mlps) == len(chosen):
         # One token: the chosen experts' input projections share it, so they run as one kernel
-        # call (quantized GGML experts: bitwise each expert's own call), then each finishes.
+        # call, then their down projections, each on its own expert's activation, as another
+        # (quantized GGML experts: bitwise each expert's own calls).
         projected = linear_group([p for m in mlps for p in m.in_projections()], x)
         n = len(projected) // k
-        for rank, m in enumerate(mlps):
-            ys[rank] = m.finish(x, *projected[rank * n : (rank + 1) * n])[0]
+        hidden = [m.activate(*projected[rank * n : (rank + 1) * n]) for rank, m in enumerate(mlps)]
+        for rank, y in enumerate(linear_each([m.down_proj for m in mlps], hidden)):
+            ys[rank] = y[0].to(x.dtype)
     else:
         for expert, slots in group_by_expert(experts).items():
             idx = torch.tensor(slots, device=x.device)

@@ -792,3 +792,19 @@ def ggml_linear_multi(modules: Sequence[nn.Module], x: torch.Tensor) -> list[tor
     if x.dim() == 2:
         return list(ys)
     return [y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(ys, lins, strict=True)]
+
+
+def ggml_linear_each(modules: Sequence[nn.Module], xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``[m(x) for m, x in zip(modules, xs)]``, in one kernel call where it can be: GGMLLinears
+    in q8 mode on CPU tensors, each with its own input of one shape [T, K] (the down projections
+    of a one-token step's routed experts). Each input is quantized alone and each weight's panels
+    computed as in its own call: the same bits either way."""
+    mod = _active_kernels()
+    lins = [m for m in modules if isinstance(m, GGMLLinear) and m.raw.is_cpu and m.activation_mode == "q8"]
+    shape = xs[0].shape if xs else None
+    if (mod is None or len(lins) < 2 or len(lins) != len(modules) or len(xs) != len(lins)
+            or any(x.shape != shape or x.dim() != 2 or not x.is_cpu for x in xs)
+            or any(m.in_features != xs[0].shape[-1] for m in lins)):
+        return [m(x) for m, x in zip(modules, xs, strict=True)]
+    stacked = torch.stack([x.float() for x in xs])
+    return list(mod.linear_each(stacked, [(m._set_layout(True), m.raw, m.in_features, m.bias) for m in lins]))
