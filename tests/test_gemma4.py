@@ -265,6 +265,23 @@ def test_quantized_gguf_keeps_expert_blocks_and_speculates_losslessly(folders: d
         assert qcase.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4).ids == qcase.truth
 
 
+def test_quantized_tied_gguf_head_is_the_token_embedding(tmp_path: Path) -> None:
+    """A tied Gemma 4 GGUF (no output.weight) with both embedding tables in Q8_0: the output head is
+    the token embedding's blocks, not the per-layer table's (4 layers x 16 columns: the hidden size
+    here, so the wrong head gave wrong logits silently; another layer count, a shape error); the
+    logits are the float file's within the Q8_0 head's and activations' rounding (about 0.03 on
+    logits of about 6; the per-layer table as the head: about 6)."""
+    folder = make_tiny_hf_model(tmp_path, "gemma4_text", seed=3, name="tied", tie_word_embeddings=True)
+    path = gemma4_to_gguf(folder, tmp_path / "tied-q8.gguf", {"token_embd.weight": "Q8_0"})  # (both tables)
+    quant = load_model(str(path), dtype="auto", max_context=256)
+    model = quant.model
+    assert isinstance(model.model.embed_tokens_per_layer, QuantEmbedding)
+    assert model.lm_head is model.model.embed_tokens.linear
+    ids = quant.tokenizer.encode(TEXT)[:40]
+    diff = (logits(quant, ids) - logits(load_model(str(path), dtype="float32", max_context=256), ids)).abs()
+    assert diff.mean() < 0.1 and diff.max() < 0.5
+
+
 def test_gguf_gemma4_tokenizer_matches_llamacpp() -> None:
     """A "gemma4" GGUF vocabulary (spaces as "▁", BPE merges over raw UTF-8, newline runs split
     off, byte tokens) encodes every text to the ids llama.cpp's own tokenizer gave them (recorded
