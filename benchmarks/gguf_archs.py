@@ -57,11 +57,37 @@ auto``: the blocks kept, q8 activations, plain greedy, after a 64-token prompt) 
 a repetitive prompt (random weights: little to accept, so this shows the drafter's overhead). JSON
 with the command and versions goes to benchmarks/results/gguf_archs/.
 
+The shipped drafters, priced on these shapes (random weights accept nothing, so what is measured is
+the draft step's cost; the speed-up is projected at llama.cpp's published 0.79 acceptance):
+
+* ``--mtp`` (``qwen35``): Qwen3.5's multi-token-prediction block after the layers, in llama.cpp's
+  converter layout, run as ``--draft mtp`` runs it (one full-attention layer, the target's output
+  head cut to ``--draft-vocab`` tokens);
+* ``--assistant`` (``gemma4``, E2B): gemma-4-E2B-it's assistant (``gemma4_assistant``, the drafter
+  Google released with it) at its released shape (:data:`ASSISTANT_E2B_TEXT`: 4 layers of hidden
+  256, 4 query heads of 256 / 512 over the target's 1 KV head, MLP 2048; centroid-masked head of
+  2048 clusters, 32 kept, over the tied 262,144-row embedding; 78M parameters), random weights,
+  written beside the GGUF as the Hugging Face folder ``--draft PATH`` takes (config.json and
+  bfloat16 safetensors, as released: no GGUF of it loads in llama.cpp or quickdraft; quickdraft
+  runs it in the target's activation dtype, float32 on the CPU kernels' path) and loaded as the
+  drafter of the target file.
+
+Each drafter (a chain drafter, its cost model off) is priced two ways, as shares of a plain target
+step (the inverse of the plain decode's median tokens/s): ``direct``, its own work per drafted
+token timed alone (:func:`draft_seconds`: the median of ``--draft-repeats`` calls of its
+``propose(1)`` after a 64-token prompt, its root row run each time: one row through the head or
+the assistant's layers, its output head, the token picked; also propose(2), propose(3)), and
+``derived``, a decode step drafting one token minus a plain step x T(2)/T(1) (noisier, and it
+charges the engine's speculative bookkeeping to the drafter). The projected speed-up of chains of
+1-3 is computed from the direct share: (1 + a + ... + a^k) / (T(k+1)/T(1) + k x share).
+
     .venv/bin/python benchmarks/gguf_archs.py --arch gpt-oss --layers 4
     .venv/bin/python benchmarks/gguf_archs.py --arch gemma4 --layers 6 --llama-bench ~/.cache/quickdraft/llamacpp-native/bin/llama-bench
     .venv/bin/python benchmarks/gguf_archs.py --arch gemma4 --size 26b-a4b --layers 6
     .venv/bin/python benchmarks/gguf_archs.py --arch qwen35 --size 4b --layers 8
     .venv/bin/python benchmarks/gguf_archs.py --arch qwen35moe --layers 4
+    .venv/bin/python benchmarks/gguf_archs.py --arch qwen35 --layers 24 --mtp --prefill 0
+    .venv/bin/python benchmarks/gguf_archs.py --arch gemma4 --layers 6 --assistant --prefill 0
 """
 
 from __future__ import annotations
@@ -388,10 +414,83 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
     return {"arch": arch, "layers": layers, "vocab": vocab, **shape}
 
 
-def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool,
+# gemma-4-E2B-it's assistant (google/gemma-4-E2B-it-assistant, model_type gemma4_assistant): the
+# text_config of its released config.json, as tabulated (E2B column) in github.com/john-rocky/
+# CoreML-LLM, docs/GEMMA4_MTP_OFFICIAL_KB.md ("verified from config.json of each repo"); the
+# outer fields (backbone 1536, ordered embeddings: 2048 centroids, 32 kept) are the same table's
+# and transformers 5's Gemma4AssistantConfig defaults. 78M parameters (the model card's figure;
+# 67M of them the tied 262,144 x 256 embedding / head), released as bf16 safetensors.
+ASSISTANT_E2B_TEXT = {
+    "model_type": "gemma4_text", "hidden_size": 256, "intermediate_size": 2048, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "attention_k_eq_v": False, "sliding_window": 512, "max_position_embeddings": 131072,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "num_kv_shared_layers": 4,
+    "final_logit_softcapping": None, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True, "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+    "use_double_wide_mlp": False, "enable_moe_block": False,
+    "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0,
+                                           "rope_type": "proportional"},
+                        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"}},
+}
+ASSISTANT_E2B = {"backbone_hidden_size": 1536, "num_centroids": 2048, "centroid_intermediate_top_k": 32}
+
+
+def write_assistant(folder: Path, vocab: int, seed: int = 0) -> dict[str, Any]:
+    """gemma-4-E2B-it's assistant (:data:`ASSISTANT_E2B_TEXT`) with random weights, as a Hugging
+    Face folder (config.json, model.safetensors in bfloat16 as released: no GGUF of it loads in
+    llama.cpp or quickdraft) with ``vocab`` rows of the tied embedding / head. The centroid-masked
+    head (``use_ordered_embeddings``) needs the vocabulary in 2048 equal clusters (262,144 = 2048 x
+    128): another ``vocab`` (``--vocab tiny``) gets the plain tied head. Returns its shape summary."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = {**ASSISTANT_E2B_TEXT, "vocab_size": vocab}
+    centroids = ASSISTANT_E2B["num_centroids"]
+    ordered = vocab % centroids == 0
+    h, inter, nh, hd, ghd = (text[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                "head_dim", "global_head_dim"))
+    hb = ASSISTANT_E2B["backbone_hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, cols: int, scale: float | None = None) -> torch.Tensor:
+        w = torch.randn(rows, cols, generator=g) * (scale if scale is not None else cols**-0.5)
+        return w.to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": matrix(vocab, h, 1.0), "model.norm.weight": ones(h),
+               "pre_projection.weight": matrix(h, 2 * hb), "post_projection.weight": matrix(hb, h)}
+    for i, kind in enumerate(text["layer_types"]):
+        b, d = f"model.layers.{i}.", (hd if kind == "sliding_attention" else ghd)
+        tensors.update({
+            b + "layer_scalar": ones(1), b + "self_attn.q_proj.weight": matrix(nh * d, h),
+            b + "self_attn.q_norm.weight": ones(d), b + "self_attn.o_proj.weight": matrix(h, nh * d),
+            b + "mlp.gate_proj.weight": matrix(inter, h), b + "mlp.up_proj.weight": matrix(inter, h),
+            b + "mlp.down_proj.weight": matrix(h, inter),
+            **{b + n + ".weight": ones(h) for n in ("input_layernorm", "post_attention_layernorm",
+                                                     "pre_feedforward_layernorm", "post_feedforward_layernorm")}})
+    if ordered:
+        tensors["masked_embedding.centroids.weight"] = matrix(centroids, h)
+        tensors["masked_embedding.token_ordering"] = torch.randperm(vocab, generator=g)
+    config = {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
+              **ASSISTANT_E2B, "use_ordered_embeddings": ordered, "tie_word_embeddings": True,
+              "dtype": "bfloat16", "text_config": text}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(folder / "model.safetensors"))
+    params = sum(t.numel() for n, t in tensors.items() if not n.endswith("token_ordering"))
+    return {"hidden": h, "layers": text["num_hidden_layers"], "heads": nh, "kv_heads": text["num_key_value_heads"],
+            "head_dim": hd, "global_head_dim": ghd, "intermediate": inter, "backbone_hidden": hb, "vocab": vocab,
+            "head": (f"centroid-masked ({ASSISTANT_E2B['centroid_intermediate_top_k']} of {centroids} clusters)"
+                     if ordered else "plain tied"), "parameters": params, "format": "bfloat16 safetensors"}
+
+
+def quickdraft_decode(loaded: Any, tokens: int, drafter: Any, repetitive: bool,
                       num_draft: int | None = None) -> tuple[float, float]:
     """(decode tokens/s after the first token, tau) of ``tokens`` greedy tokens after a 64-token
-    prompt; ``drafter`` "none" or "auto" (as the CLI builds it)."""
+    prompt; ``drafter`` "none", "auto", "mtp" (as the CLI builds it) or a Drafter (drafting
+    ``num_draft`` tokens a step)."""
     import torch
 
     from quickdraft.assemble.drafters import build_drafter
@@ -403,7 +502,10 @@ def quickdraft_decode(loaded: Any, tokens: int, drafter: str, repetitive: bool,
     prompt = torch.randint(3, tokenizer_vocab_size(), (16 if repetitive else 64,), generator=g).tolist()
     if repetitive:
         prompt = prompt * 4
-    d, k = build_drafter(EngineOptions(draft=drafter, num_draft=num_draft), loaded)
+    if isinstance(drafter, str):
+        d, k = build_drafter(EngineOptions(draft=drafter, num_draft=num_draft), loaded)
+    else:
+        d, k = drafter, num_draft or 1
     engine = Engine(loaded.model, loaded.tokenizer)
     steps = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True), d, k)
     first = next(steps)
@@ -461,18 +563,86 @@ def pass_ratios(loaded: Any) -> dict[int, float]:
     return {k: v / seconds[1] for k, v in seconds.items()}
 
 
-def mtp_cost(loaded: Any, tokens: int, passes: dict[int, float], plain_step: float, rounds: int) -> dict[str, Any]:
-    """The MTP layer's draft step, and the speed-up a chain of 1-3 would bring at the published
-    acceptance. Random weights accept nothing, so a step drafting one token yields one token:
-    its time is a 2-row target pass plus the draft step, and the draft step is that time minus a
-    plain step and the second row's cost (T(2) - T(1), from ``passes``)."""
-    steps = [1.0 / quickdraft_decode(loaded, tokens, "mtp", repetitive=False, num_draft=1)[0] for _ in range(rounds)]
-    step = statistics.median(steps)
-    draft = max(0.0, step - plain_step * passes[2])
-    share = draft / plain_step
+def draft_seconds(loaded: Any, drafter: Any, repeats: int, chains: tuple[int, ...] = (1, 2, 3)) -> dict[int, float]:
+    """The drafter's own work, timed directly: seconds of ``drafter.propose(k)`` (a chain drafter,
+    its cost model off: exactly k tokens) for each k in ``chains``, the median of ``repeats`` after
+    two warm-ups, the k interleaved. The drafter first follows a greedy request (a 64-token prompt,
+    8 tokens) on the engine, so it holds the target's features (and the Gemma 4 assistant the
+    target's keys and values) as in a decode step. Before each call it forgets its root row (its
+    rows' count cut back by one), so propose(k) runs what a decode step drafting k tokens runs
+    after a rejected draft: the root row (the newest token and the feature before it) through the
+    head (the MTP layer, or the assistant's layers) and its output head, the token picked from the
+    logits, then k - 1 passes of one drafted row each. propose(1) is one drafted token's cost; no
+    target pass, verification or engine bookkeeping is in it. (After an accepted draft the MTP
+    layer's root pass also re-reads the accepted rows: a few more rows in the same one pass.)"""
+    import torch
+
+    from quickdraft.engine import Engine
+    from quickdraft.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, tokenizer_vocab_size(), (64,), generator=g).tolist()
+    engine = Engine(loaded.model, loaded.tokenizer)
+    for _ in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), drafter,
+                             max(chains)):
+        pass
+    drafter.propose(1)  # (its rows caught up with the features fed by the request's last step)
+    cuda = loaded.model.device.type == "cuda"
+    times: dict[int, list[float]] = {k: [] for k in chains}
+    for _ in range(repeats + 2):
+        for k in chains:
+            drafter.cache.truncate(drafter.fed - 1)  # forget the root row: propose runs it again
+            t0 = time.perf_counter()
+            draft = drafter.propose(k)
+            if cuda:
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+            if int(draft.tokens.numel()) != k:
+                raise SystemExit(f"{drafter.name}: propose({k}) drafted {int(draft.tokens.numel())} tokens after the "
+                                 "request; the timing needs a chain drafter with its cost model off")
+    return {k: statistics.median(v[2:]) for k, v in times.items()}
+
+
+def draft_cost(loaded: Any, drafter: Any, tokens: int, passes: dict[int, float], plain_step: float, rounds: int,
+               repeats: int) -> dict[str, Any]:
+    """A drafter's draft step as a share of a plain target step, two ways, and the speed-up chains
+    of 1-3 would bring at the published acceptance, from the direct share.
+
+    direct: :func:`draft_seconds` of ``drafter`` (a chain drafter, cost model off; propose(1): one
+    drafted token).
+    derived: random weights accept nothing, so a decode step drafting one token (``drafter`` at
+    k = 1 on the engine) yields one token; its time is a 2-row target pass plus the draft step,
+    so the draft step is that time minus a plain step x T(2)/T(1) (``passes``). This charges the
+    drafter the engine's speculative bookkeeping too (verification, feeding features, commits) and
+    carries the noise of two decode timings.
+
+    projected[k] = (1 + a + ... + a^k) / (T(k+1)/T(1) + k x direct share), a = 0.79."""
+    steps = [1.0 / quickdraft_decode(loaded, tokens, drafter, repetitive=False, num_draft=1)[0]
+             for _ in range(rounds)]
+    derived = max(0.0, statistics.median(steps) - plain_step * passes[2])
+    chain = draft_seconds(loaded, drafter, repeats)
+    share = chain[1] / plain_step
     a = PUBLISHED_ACCEPTANCE
     projected = {k: sum(a**i for i in range(k + 1)) / (passes[k + 1] + k * share) for k in (1, 2, 3)}
-    return {"step_seconds": draft, "step_share": share, "mtp_step_seconds": steps, "projected": projected}
+    return {"plain_step_seconds": plain_step,
+            "direct": {"step_seconds": chain[1], "step_share": share, "propose_seconds": chain, "repeats": repeats,
+                       "what": "median seconds of the drafter's propose(k) (chain, cost model off) after a "
+                               "64-token prompt, its root row run again each time; step = propose(1)"},
+            "derived": {"step_seconds": derived, "step_share": derived / plain_step, "decode_step_seconds": steps,
+                        "what": "a decode step drafting one token (random weights: one token a step) minus a "
+                                "plain step x T(2)/T(1)"},
+            "projected": projected, "projected_from": "direct step_share"}
+
+
+def print_draft_cost(name: str, cost: dict[str, Any]) -> None:
+    d, r = cost["direct"], cost["derived"]
+    print(f"  {name} draft step, direct: {1000 * d['step_seconds']:.2f} ms = {100 * d['step_share']:.1f}% of a "
+          f"target step (goal <= 10%); chains: " + ", ".join(
+              f"propose({k}) {1000 * s:.2f} ms" for k, s in d["propose_seconds"].items()))
+    print(f"  {name} draft step, derived (decode step - plain step x T(2)/T(1)): {1000 * r['step_seconds']:.2f} ms "
+          f"= {100 * r['step_share']:.1f}%")
+    print(f"  projected speed-up at {PUBLISHED_ACCEPTANCE} acceptance per token (direct share): "
+          + ", ".join(f"chain {k} {x:.2f}x" for k, x in cost["projected"].items()))
 
 
 def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float:
@@ -502,8 +672,18 @@ def main() -> None:
     ap.add_argument("--mtp", action="store_true",
                     help="qwen35: a multi-token-prediction block after the layers; measure its draft step and the "
                          "speed-up projected at the published acceptance")
-    ap.add_argument("--name", default=None, help="result file name without .json (default: ARCH-Nl[-vocab-V])")
+    ap.add_argument("--assistant", action="store_true",
+                    help="gemma4 (e2b): also write gemma-4-E2B-it's assistant (random weights, the released shape) "
+                         "as a Hugging Face folder beside the file, load it as the drafter and measure its draft "
+                         "step and the speed-up projected at the published acceptance")
+    ap.add_argument("--draft-repeats", type=int, default=50,
+                    help="--mtp / --assistant: timed proposals per chain length of the direct draft-step timing")
+    ap.add_argument("--name", default=None,
+                    help="result file name without .json (default: ARCH[-SIZE]-Nl[-vocab-V][-mtp|-assistant])")
     args = ap.parse_args()
+    if args.assistant and (args.arch, args.size or SIZES[args.arch][0]) != ("gemma4", "e2b"):
+        raise SystemExit("--assistant: the assistant written here is gemma-4-E2B-it's: use it with --arch gemma4 "
+                         "(--size e2b)")
     vocab = REAL_VOCAB[args.arch] if args.vocab == "real" else None if args.vocab == "tiny" else int(args.vocab)
 
     import torch
@@ -517,6 +697,10 @@ def main() -> None:
                              f"{'-mtp' if args.mtp else ''}.gguf")
     shape = write_gguf(args.arch, args.layers, path, vocab=vocab, mtp=args.mtp, size=size)
     print(f"{path} ({path.stat().st_size / 2**30:.2f} GiB): {shape}")
+    folder = path.with_name(path.stem + "-assistant")
+    if args.assistant:
+        shape["assistant"] = write_assistant(folder, shape["vocab"])
+        print(f"{folder} ({(folder / 'model.safetensors').stat().st_size / 2**20:.0f} MiB): {shape['assistant']}")
     from quickdraft.loading.load import load_model
 
     t0 = time.perf_counter()
@@ -546,7 +730,23 @@ def main() -> None:
     probe = kernels.read_bandwidth(1 << 30, args.threads, 3) if kernels is not None else float("nan")
     step_bytes = active_bytes(path, shape)
     bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", "llama.cpp") if k in med}
-    mtp = mtp_cost(loaded, args.tokens, passes, 1.0 / med["quickdraft"], args.rounds) if args.mtp else None
+    mtp = assistant = None
+    if args.mtp:  # the engine's --draft mtp drafter (its output head cut to --draft-vocab tokens), chains
+        from quickdraft.assemble.drafters import build_drafter
+        from quickdraft.options import EngineOptions
+
+        drafter, _ = build_drafter(EngineOptions(draft="mtp", num_draft=3), loaded)
+        drafter.mode = "chain"
+        mtp = draft_cost(loaded, drafter, args.tokens, passes, 1.0 / med["quickdraft"], args.rounds,
+                         args.draft_repeats)
+        mtp["draft_vocab"] = drafter.head.config.draft_vocab_size
+    if args.assistant:  # --draft FOLDER's assistant drafter alone (not beside n-gram lookup), chains
+        from quickdraft.speculative.gemma4_assistant import build_assistant_drafter
+
+        drafter = build_assistant_drafter(folder, loaded.model, num_draft=3, mode="chain")
+        assistant = draft_cost(loaded, drafter, args.tokens, passes, 1.0 / med["quickdraft"], args.rounds,
+                               args.draft_repeats)
+        assistant["variant"] = drafter.variant
     print(f"\n{tag}, {args.layers} layers, vocabulary {shape['vocab']}, {args.threads} threads, tokens/s "
           f"(median of {args.rounds}; prefill: a {args.prefill}-token prompt):")
     for k, v in med.items():
@@ -559,16 +759,17 @@ def main() -> None:
         f"{k} {v:.1f} GB/s ({v / probe:.0%} of the {probe:.1f} GB/s read probe)" for k, v in bandwidth.items()))
     print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
     if mtp is not None:
-        print(f"  MTP draft step: {1000 * mtp['step_seconds']:.2f} ms = {100 * mtp['step_share']:.1f}% of a target "
-              f"step (goal <= 10%)")
-        print(f"  projected speed-up at {PUBLISHED_ACCEPTANCE} acceptance per token: "
-              + ", ".join(f"chain {k} {x:.2f}x" for k, x in mtp["projected"].items()))
+        print_draft_cost(f"MTP (output head of {mtp['draft_vocab']} tokens)", mtp)
+    if assistant is not None:
+        print_draft_cost(f"Gemma 4 assistant ({assistant['variant']})", assistant)
     OUT.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"{tag}-{args.layers}l{'' if args.vocab == 'real' else '-vocab-' + args.vocab}"
+    name = args.name or (f"{tag}-{args.layers}l{'' if args.vocab == 'real' else '-vocab-' + args.vocab}"
+                         f"{'-mtp' if args.mtp else ''}{'-assistant' if args.assistant else ''}")
     out = OUT / f"{name}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
                                "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
                                "runs": runs, "median": med, "pass_ratios": passes, "mtp": mtp,
+                               "assistant": assistant,
                                "step_bytes": step_bytes, "read_probe_gbs": probe, "decode_gbs": bandwidth,
                                "auto_tau": taus}, indent=1))
     print(f"saved {out}")
