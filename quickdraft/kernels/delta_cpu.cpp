@@ -183,7 +183,7 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
   const int64_t rep = nv / nk;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(dk));
   std::vector<float> qkv(T * C);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T > 1)
   for (int64_t t = 0; t < T; ++t) {  // phase 1: the convolution, SiLU and norms of every row
     const Tap* tap = taps.data() + t * (K - 1);
     const float* x = xp + t * C;
