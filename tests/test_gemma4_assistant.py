@@ -29,6 +29,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.options import EngineOptions
 from quickdraft.prefix_cache import PrefixCache
+from quickdraft.quant.ggml import GGMLLinear, kernels_active
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.gemma4_assistant import (
     AssistantDrafter,
@@ -225,10 +226,15 @@ def test_drafting_equals_plain_decoding(folders: dict[str, Path], target: Loaded
 
 def test_draft_path_under_auto_and_several_sequences(folders: dict[str, Path], target: LoadedModel,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--draft PATH``: the assistant beside n-gram lookup under the cost model (fixed k or auto);
-    three sequences at once (one assistant pass per depth for all of them): each == alone."""
+    """``--draft PATH``: the assistant beside n-gram lookup under the cost model (fixed k or auto),
+    its matrices as Q8_0 blocks where the q8 kernels run; three sequences at once (one assistant
+    pass per depth for all of them): each == alone."""
     fixed, k = build_drafter(EngineOptions(draft=str(folders["masked"]), num_draft=3), target)
     assert fixed is not None and k == 3 and {p.name for p in fixed.parts()} == {"ngram", "assistant"}
+    if kernels_active():
+        assistant = next(p for p in fixed.parts() if isinstance(p, AssistantDrafter))
+        quantized = [m for m in assistant.head.modules() if isinstance(m, GGMLLinear)]
+        assert quantized and all(m.qtype.name == "Q8_0" for m in quantized)
     prompt = target.tokenizer.encode(TEXT[:40])
     truth = generate(target, prompt, max_tokens=16, ignore_eos=True).ids
     run = generate(target, prompt, fixed, k, max_tokens=16, ignore_eos=True)

@@ -621,6 +621,17 @@ class GGMLLinear(nn.Module):
         self._act_block = activation_block_size(self.qtype)
         self._lanes = lanes  # raw holds the lane layout (after a q8 kernel call, or prepared)
 
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> GGMLLinear:
+        """A float ``weight`` [out, in] quantized to ``qtype`` blocks (gguf's quantizer: llama.cpp's
+        rounding), e.g. a drafter shipped in bf16 that runs on the q8 kernels (a drafter's weights
+        change only what it proposes, never the output)."""
+        from gguf import quants
+
+        raw = quants.quantize(weight.detach().float().cpu().numpy(), qtype)
+        return cls(qtype, torch.from_numpy(raw), int(weight.shape[1]), bias=bias)
+
     @property
     def activations(self) -> str | None:
         """This layer's own activation mode ("q8", "f32"), or None: the process default."""

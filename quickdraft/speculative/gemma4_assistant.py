@@ -61,6 +61,7 @@ from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
 from quickdraft.models.gemma4 import Gemma4Attention, RMSNorm, layer_config
 from quickdraft.models.layers import Linear, Rope, Step
+from quickdraft.quant.ggml import GGMLLinear, kernels_active
 from quickdraft.speculative.base import DraftPass, PassOutput, Steps
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape, default_shape
 from quickdraft.speculative.eagle3.head import DraftHead, Eagle3Config
@@ -259,12 +260,12 @@ class Gemma4Assistant(DraftHead):
         self.register_buffer("d2t", torch.zeros(tcfg.vocab_size, dtype=torch.long), persistent=False)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.pre_projection.weight.dtype
+    def dtype(self) -> torch.dtype:  # (its norms stay float when its matrices are quantized)
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.pre_projection.weight.device
+        return self.model.norm.weight.device
 
     def to_runtime(self, device: torch.device, dtype: torch.dtype) -> Gemma4Assistant:
         """Weights in ``dtype`` on ``device``; RoPE tables recomputed in float32 there."""
@@ -272,6 +273,22 @@ class Gemma4Assistant(DraftHead):
         self.rope.reset_tables(device)
         self.rope_local.reset_tables(device)
         return self.eval()
+
+    def quantize_matrices(self) -> int:
+        """Its projections (and a plain output head) as Q8_0 blocks run by the q8 kernels: a quarter
+        of the bytes a draft row reads in float32. Only on CPU float32 runs with the kernels built;
+        a drafter's weights change what it proposes, never the output. Returns how many it replaced
+        (the masked head's table stays float: it is gathered by rows)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not kernels_active():
+            return 0
+        replaced = 0
+        for owner in list(self.modules()):
+            for name, child in list(owner.named_children()):
+                skip = child is self.lm_head and self.masked_embedding is not None
+                if isinstance(child, nn.Linear) and child.in_features % 32 == 0 and not skip:
+                    setattr(owner, name, GGMLLinear.from_float(child.weight, child.bias))
+                    replaced += 1
+        return replaced
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """No keys or values of its own: a cache without layers, counting the rows the drafter ran."""
@@ -338,8 +355,10 @@ def assistant_folder(spec: str | Path) -> Path | None:
     return path if isinstance(d, dict) and d.get("model_type") == MODEL_TYPE else None
 
 
-def load_assistant(spec: str | Path, target: CausalLM) -> Gemma4Assistant:
-    """The assistant at ``spec`` (a Hugging Face folder) for ``target``, in its dtype and on its device."""
+def load_assistant(spec: str | Path, target: CausalLM, quantize: bool = False) -> Gemma4Assistant:
+    """The assistant at ``spec`` (a Hugging Face folder) for ``target``, in its dtype and on its
+    device; ``quantize``: its matrices as Q8_0 blocks where the q8 kernels run them
+    (:meth:`Gemma4Assistant.quantize_matrices`)."""
     from quickdraft.loading.safetensors import iter_tensors
 
     folder = Path(spec).expanduser()
@@ -362,7 +381,10 @@ def load_assistant(spec: str | Path, target: CausalLM) -> Gemma4Assistant:
             raise QuickdraftError(f"the assistant's token_ordering must hold {vocab} token ids, it holds "
                                   f"{order.numel()} in [{int(order.min())}, {int(order.max())}]")
         head.masked_embedding.token_ordering.copy_(order)
-    return head.to_runtime(target.device, target.dtype)
+    head = head.to_runtime(target.device, target.dtype)
+    if quantize:
+        head.quantize_matrices()
+    return head
 
 
 def _renamed(tensors: Iterable[tuple[str, Tensor]], cfg: AssistantConfig,
@@ -506,7 +528,7 @@ def build_assistant_drafter(
     """The assistant at ``spec`` as a drafter for ``target``: dynamic trees sized by the cost model
     (``num_draft``: a fixed size, no cost model), chains with ``mode="chain"``."""
     say(f"loading Gemma 4 assistant {spec} ...")
-    head = load_assistant(spec, target)
+    head = load_assistant(spec, target, quantize=True)
     shape: TreeShape = default_shape(target.device)
     if num_draft is not None:
         shape = dataclasses.replace(shape, max_nodes=num_draft, max_depth=min(shape.max_depth, num_draft))
