@@ -212,12 +212,12 @@ def test_gguf_matches_transformers_and_keeps_mxfp4_experts(folder: Path, tmp_pat
 
 
 @pytest.mark.parametrize("qtype", ["MXFP4", "Q8_0", "Q4_0"])  # (the tiny rows are 64 wide: 32-blocks)
-def test_one_token_experts_in_one_call_are_bitwise_each_experts_own(folder: Path, tmp_path: Path, qtype: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A one-token step runs its chosen experts' gate and up projections as one kernel call and
-    their down projections as another (mix_experts): every expert's output, and the layer's, is bitwise what each expert computes
-    on its own, for the expert formats the released files hold; whole rows of a pass and
-    speculation stay plain decoding's."""
+def test_grouped_experts_are_bitwise_each_experts_own(folder: Path, tmp_path: Path, qtype: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of 1-70 rows runs its chosen experts' gate and up projections as one grouped kernel
+    call (each expert on its rows) and their down projections as another (mix_experts): the layer's
+    output is bitwise each expert computing on its own rows, for the expert formats the released
+    files hold, any row grouping; whole rows of a pass and speculation stay plain decoding's."""
     from quickdraft.models import layers
     from quickdraft.models.moe import mix_experts
 
@@ -225,30 +225,31 @@ def test_one_token_experts_in_one_call_are_bitwise_each_experts_own(folder: Path
     quant = load_model(str(path), dtype="auto", max_context=256)
     moe = quant.model.model.layers[1].mlp
     assert all(isinstance(e.gate_proj, GGMLLinear) for e in moe.experts)
-    calls: list[tuple[str, int]] = []
-    real, real_each = layers.ggml_linear_multi, layers.ggml_linear_each
+    calls: list[list[int]] = []
+    real = layers.ggml_linear_grouped
 
-    def counted(modules: list[Any], x: torch.Tensor) -> list[torch.Tensor]:
-        calls.append(("shared input", len(modules)))
-        return real(modules, x)
-
-    def counted_each(modules: list[Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        calls.append(("own inputs", len(modules)))
-        return real_each(modules, xs)
+    def counted(groups: list[list[Any]], x: torch.Tensor, counts: list[int]) -> list[list[torch.Tensor]]:
+        calls.append([len(g) for g in groups])
+        return real(groups, x, counts)
 
     gen = torch.Generator().manual_seed(3)
+    n = len(moe.experts)
     with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(1, quant.config.hidden_size, generator=gen)
-            weights, experts = torch.rand(1, 2, generator=gen), torch.randperm(len(moe.experts), generator=gen)[:2][None]
-            own = [moe.experts[int(e)](x) for e in experts[0]]
-            want = (own[0].float() * weights[:, :1] + own[1].float() * weights[:, 1:2]).to(x.dtype)
+        for t in (1, 1, 2, 5, 17, 70):
+            x = torch.randn(t, quant.config.hidden_size, generator=gen)
+            weights = torch.rand(t, 2, generator=gen)
+            experts = torch.stack([torch.randperm(n, generator=gen)[:2] for _ in range(t)])
+            own = torch.empty(t, 2, x.shape[1])
+            for e in experts.unique().tolist():  # each expert alone on its rows
+                rows, ranks = (experts == e).nonzero(as_tuple=True)
+                own[rows, ranks] = moe.experts[e](x[rows])
+            want = (own[:, 0].float() * weights[:, :1] + own[:, 1].float() * weights[:, 1:2]).to(x.dtype)
             calls.clear()
             with monkeypatch.context() as m:
-                m.setattr(layers, "ggml_linear_multi", counted)
-                m.setattr(layers, "ggml_linear_each", counted_each)
+                m.setattr(layers, "ggml_linear_grouped", counted)
                 got = mix_experts(moe.experts, x, weights, experts)
-            assert calls == [("shared input", 4), ("own inputs", 2)]  # gate and up of both experts, then both downs
-            assert torch.equal(got, want)
+            chosen = len(experts.unique())
+            assert calls == [[2] * chosen, [1] * chosen]  # every chosen expert's gate and up, then every down
+            assert torch.equal(got, want), t
     qcase = make_case(quant, TEXT[:60], 12)
     check_scripted(qcase, "partly", 4)

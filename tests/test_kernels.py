@@ -35,7 +35,7 @@ from quickdraft.quant.ggml import (
     LANES_ID,
     activation_block_size,
     default_activation_mode,
-    ggml_linear_each,
+    ggml_linear_grouped,
     ggml_linear_multi,
     q8_activations_reference,
     quantize_activations_reference,
@@ -718,24 +718,35 @@ def test_linear_multi_equals_separate_calls_bitwise():
 
 
 @requires_kernels
-def test_linear_each_is_each_weight_on_its_own_input_bitwise():
-    """Weights each on their own input (a one-token step's expert down projections) in one call:
-    bitwise each weight's own call, for K-quant and 32-block formats, biases, 1 and several rows."""
+def test_linear_grouped_is_each_weight_on_its_groups_rows_bitwise():
+    """Groups of rows of different sizes (a pass's rows by routed expert), each weight on its
+    group's rows, in one call: bitwise each weight's own call on those rows, for K-quant and
+    32-block formats, biases, empty groups, 1-70 rows."""
     mods, raws = _multi_layers()
-    for t in (1, 3):
-        xs = [torch.randn(t, 512) * (i + 1) for i in range(len(mods))]
-        ys = ggml_linear_each(mods, xs)
-        for y, m, x, raw in zip(ys, mods, xs, raws, strict=True):
-            assert torch.equal(y, m(x)), (t, m.qtype.name)
-            assert_close_q8(y, x, raw, m.qtype, m.bias)
+    gen = torch.Generator().manual_seed(7)
+    for counts in ([1, 1, 1, 1], [3, 0, 5, 1], [17, 2, 40, 11], [70, 1, 1, 1]):
+        x = torch.randn(sum(counts), 512, generator=gen) * 2
+        groups = [[mods[g], mods[(g + 1) % len(mods)]] for g in range(len(counts))]  # two weights a group
+        ys = ggml_linear_grouped(groups, x, counts)
+        start = 0
+        for g, c in enumerate(counts):
+            rows = x[start : start + c]
+            for y, m in zip(ys[g], groups[g], strict=True):
+                assert y.shape == (c, m.out_features) and torch.equal(y, m(rows)), (counts, g, m.qtype.name)
+            start += c
+    x = torch.randn(4, 512)
+    assert_close_q8(ggml_linear_grouped([[mods[0]], [mods[0]]], x, [1, 3])[1][0], x[1:], raws[0], mods[0].qtype,
+                    mods[0].bias)
     mod = kernels.load()
     assert mod is not None
-    specs = [(m._set_layout(True), m.raw, 512, m.bias) for m in mods]
-    with pytest.raises(RuntimeError, match=r"xs must be .*\[weights, T, in_features\]"):
-        mod.linear_each(torch.zeros(2, 1, 512), specs)
+    specs = [(m._set_layout(True), m.raw, 512, m.bias) for m in mods[:2]]
+    with pytest.raises(RuntimeError, match="add up to"):
+        mod.linear_grouped(x, [1, 2], specs, [0, 1])
+    with pytest.raises(RuntimeError, match="one of the 2 groups"):
+        mod.linear_grouped(x, [1, 3], specs, [0, 2])
     set_activation_mode(mods[1], "f32")  # one f32 layer: each module on its own path
-    xs = [torch.randn(1, 512) for _ in mods]
-    assert all(torch.equal(y, m(x)) for y, m, x in zip(ggml_linear_each(mods, xs), mods, xs, strict=True))
+    ys = ggml_linear_grouped([[mods[0]], [mods[1]]], x, [1, 3])
+    assert torch.equal(ys[0][0], mods[0](x[:1])) and torch.equal(ys[1][0], mods[1](x[1:]))
 
 
 @requires_kernels

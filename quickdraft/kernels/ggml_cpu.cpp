@@ -216,23 +216,28 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> set_tuning(int64_t cls, 
 
 using WeightSpec = qd_api::WeightSpec;
 
-// y_i = x_i @ dequant(W_i).T (+ b_i) for several weights, x_i = x[groups == 1 ? 0 : i] (x: [groups, T, K]),
-// each input quantized to int8 once per mode and all panels of all weights computed in one parallel
-// region. residual (one weight only): y = residual + (x @ W.T + b), added as each output is stored
-// (the bits of torch's residual + y).
-std::vector<torch::Tensor> linear_jobs(const torch::Tensor& x, int64_t groups, const std::vector<WeightSpec>& weights,
+// y_i = x[rows of group job_groups[i]] @ dequant(W_i).T (+ b_i) for several weights; x [R, K] holds the
+// groups' rows one group after another (group g: rows gstart[g] .. gstart[g + 1] - 1). Each row is
+// quantized to int8 once per mode and all panels of all weights computed in one parallel region, each
+// weight over its group's rows as a call of its own would. residual (one weight only): y = residual +
+// (x @ W.T + b), added as each output is stored (the bits of torch's residual + y).
+std::vector<torch::Tensor> linear_jobs(const torch::Tensor& x, const std::vector<int64_t>& gstart,
+                                       const std::vector<int64_t>& job_groups, const std::vector<WeightSpec>& weights,
                                        int64_t nthreads, const c10::optional<torch::Tensor>& residual) {
-  const int64_t T = x.size(-2), K = x.size(-1);
-  TORCH_CHECK(groups == 1 || groups == static_cast<int64_t>(weights.size()), "one input per weight, or one for all");
+  const int64_t K = x.size(-1), ngroups = static_cast<int64_t>(gstart.size()) - 1;
+  TORCH_CHECK(job_groups.size() == weights.size(), "one group per weight");
   std::vector<torch::Tensor> ys;
   std::vector<q8::Job> jobs;
-  for (const auto& [qtype, raw, in_features, bias] : weights) {
+  for (size_t w = 0; w < weights.size(); ++w) {
+    const auto& [qtype, raw, in_features, bias] = weights[w];
     TORCH_CHECK(in_features == K, "in_features ", in_features, " does not match x's ", K, " columns");
+    TORCH_CHECK(job_groups[w] >= 0 && job_groups[w] < ngroups, "a weight's group must be one of the ", ngroups, " groups");
+    const int64_t T = gstart[job_groups[w] + 1] - gstart[job_groups[w]];
     q8::Job g{};
     g.qtype = qtype;
     g.K = K;
     g.N = raw.size(0);
-    g.xgroup = groups == 1 ? 0 : static_cast<int>(ys.size());
+    g.xgroup = static_cast<int>(job_groups[w]);
     TORCH_CHECK(qtype >= q8::LANES_ID, "the q8 kernels take weights in the lane layout: repack_lanes(raw) and ",
                 "type id ", qtype + q8::LANES_ID);
     TORCH_CHECK(q8::init_job(g), "quickdraft kernels: unsupported type id ", qtype);
@@ -258,18 +263,19 @@ std::vector<torch::Tensor> linear_jobs(const torch::Tensor& x, int64_t groups, c
                   "residual must be a contiguous CPU float32 tensor [T, out_features]");
       g.residual = residual->data_ptr<float>();
     }
-    if (g.N > 0) jobs.push_back(g);
+    if (g.N > 0 && T > 0) jobs.push_back(g);
   }
-  if (T == 0 || jobs.empty()) return ys;
+  if (jobs.empty()) return ys;
   const int nt = static_cast<int>(nthreads > 0 ? nthreads : at::get_num_threads());
   const float* xp = x.data_ptr<float>();
-  const qd_abi::Tuning tune = tuning_of(qd_abi::tuning_class(T));
+  const int64_t rows_per_group = gstart[ngroups] / std::max<int64_t>(ngroups, 1);  // (the tuning's class only)
+  const qd_abi::Tuning tune = tuning_of(qd_abi::tuning_class(std::max<int64_t>(rows_per_group, 1)));
   qd_api::ReleaseGil nogil;
   const int nj = static_cast<int>(jobs.size());
   if (g_isa.load(std::memory_order_relaxed) == ISA_AVX512VNNI)
-    qd_abi::gemm_multi_avx512vnni(xp, groups, T, K, jobs.data(), nj, nt, tune);
+    qd_abi::gemm_multi_avx512vnni(xp, gstart.data(), ngroups, K, jobs.data(), nj, nt, tune);
   else
-    q8::gemm_multi(xp, groups, T, K, jobs.data(), nj, nt, tune);
+    q8::gemm_multi(xp, gstart.data(), ngroups, K, jobs.data(), nj, nt, tune);
   return ys;
 }
 
@@ -278,16 +284,23 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
                                         int64_t nthreads, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CPU float32 tensor [T, in_features]");
-  return linear_jobs(x, 1, weights, nthreads, residual);
+  return linear_jobs(x, {0, x.size(0)}, std::vector<int64_t>(weights.size(), 0), weights, nthreads, residual);
 }
 
-// Weight i on input xs[i] [T, K] (routed experts' down projections, each reading its own expert's
-// activation), in one call: bitwise each weight's own call.
-std::vector<torch::Tensor> linear_each(const torch::Tensor& xs, const std::vector<WeightSpec>& weights) {
-  TORCH_CHECK(xs.device().is_cpu() && xs.scalar_type() == torch::kFloat32 && xs.dim() == 3 && xs.is_contiguous() &&
-                  xs.size(0) == static_cast<int64_t>(weights.size()),
-              "xs must be a contiguous CPU float32 tensor [weights, T, in_features]");
-  return linear_jobs(xs, static_cast<int64_t>(weights.size()), weights, 0, c10::nullopt);
+// Groups of rows of x [R, K] (counts[g] rows each, one group after another), weight i on the rows of
+// group groups[i] (a pass's rows grouped by routed expert: every chosen expert's projections in one
+// call), each weight's result what a call of its own on those rows gives.
+std::vector<torch::Tensor> linear_grouped(const torch::Tensor& x, const std::vector<int64_t>& counts,
+                                          const std::vector<WeightSpec>& weights, const std::vector<int64_t>& groups) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU float32 tensor [rows, in_features]");
+  std::vector<int64_t> gstart(counts.size() + 1, 0);
+  for (size_t g = 0; g < counts.size(); ++g) {
+    TORCH_CHECK(counts[g] >= 0, "row counts must not be negative");
+    gstart[g + 1] = gstart[g] + counts[g];
+  }
+  TORCH_CHECK(gstart.back() == x.size(0), "the groups' row counts must add up to x's ", x.size(0), " rows");
+  return linear_jobs(x, gstart, groups, weights, 0, c10::nullopt);
 }
 
 // int8 products per second of the q8 GEMM's dot step in the build in use (q8::dot_rate)
@@ -457,10 +470,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual [T, out_features] (one weight): residual + x @ W.T (+ b)",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("num_threads") = 0,
         pybind11::arg("residual") = pybind11::none());
-  m.def("linear_each", &linear_each,
-        "[xs[i] @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)] and inputs xs [weights, T, "
-        "in_features], q8 activations, one call (bitwise each weight's own call)",
-        pybind11::arg("xs"), pybind11::arg("weights"));
+  m.def("linear_grouped", &linear_grouped,
+        "[x[rows of group groups[i]] @ dequant(W_i).T (+ b_i)] for weights [(qtype, raw, in_features, bias)], x [rows, "
+        "in_features] holding groups of counts[g] rows one after another; q8 activations, one call (each weight "
+        "bitwise its own call on its group's rows)",
+        pybind11::arg("x"), pybind11::arg("counts"), pybind11::arg("weights"), pybind11::arg("groups"));
   m.def("repack_lanes", &repack_lanes,
         "a copy of GGML blocks in the q8 GEMM's lane layout (to_lanes) or back in the GGML layout",
         pybind11::arg("qtype"), pybind11::arg("raw"), pybind11::arg("in_features"), pybind11::arg("to_lanes"),

@@ -19,7 +19,7 @@ struct Job {
   float* y;
   int64_t N, K, row_bytes, pf_step, npanels;
   int mode;  // XMode of the activations it reads
-  int xgroup;  // which of the call's inputs it reads (gemm_multi's x is [ngroups, T, K]; 0: the first)
+  int xgroup;  // which of the call's input groups it reads (gemm_multi's rows gstart[g] .. gstart[g + 1] - 1)
 };
 // How a call moves its weights, never what it computes (every setting gives the same bits): chosen
 // per machine by measurement (quickdraft/kernels/tuning.py), per class of row counts.
@@ -35,7 +35,7 @@ struct Tuning {
 constexpr int TUNING_CLASSES = 3;  // 1 row (decode), 2-16 rows (verification), more (prefill)
 inline int tuning_class(int64_t T) { return T == 1 ? 0 : T <= 16 ? 1 : 2; }
 // The q8 GEMM of the AVX-512 VNNI build (ggml_q8_avx512.cpp).
-void gemm_multi_avx512vnni(const float* x, int64_t ngroups, int64_t T, int64_t K, Job* jobs, int njobs,
+void gemm_multi_avx512vnni(const float* x, const int64_t* gstart, int64_t ngroups, int64_t K, Job* jobs, int njobs,
                            int nthreads, const Tuning& tune);
 double dot_rate_avx512vnni(int nthreads);  // q8::dot_rate of that build
 }  // namespace qd_abi
@@ -1244,22 +1244,27 @@ inline bool init_job(Job& g) {
 // Thread-kept buffer for the quantized activations of short calls (long prefills: per call).
 constexpr int64_t XQ_KEEP = int64_t{8} << 20;  // bytes
 
-// x: [ngroups, T, K] fp32, input group g read by the jobs whose xgroup is g (each with in_features
-// K; one group: every job shares x). Quantizes each group once per mode the jobs need (a row is
-// quantized alone: the same bits as a call of its own), then computes every job's panels, all in
-// one parallel region.
-inline void gemm_multi(const float* x, int64_t ngroups, int64_t T, int64_t K, Job* jobs, int njobs, int nthreads,
-                       const Tuning& tune) {
+// x: [R, K] fp32 rows in ngroups groups, group g the rows gstart[g] .. gstart[g + 1] - 1, read by the
+// jobs whose xgroup is g (each with in_features K; one group: every job shares x; groups may differ
+// in size, e.g. the rows each routed expert takes). Quantizes each row once per mode the jobs need
+// (a row is quantized alone: the same bits as a call of its own), then computes every job's panels
+// over its group's rows (as a call of its own would), all in one parallel region.
+inline void gemm_multi(const float* x, const int64_t* gstart, int64_t ngroups, int64_t K, Job* jobs, int njobs,
+                       int nthreads, const Tuning& tune) {
   const int64_t nchunks = (K + CHUNK - 1) / CHUNK;
+  const int64_t R = gstart[ngroups];
+  std::vector<int64_t> group_of(R);  // each row's group
+  for (int64_t g = 0; g < ngroups; ++g)
+    for (int64_t r = gstart[g]; r < gstart[g + 1]; ++r) group_of[r] = g;
   bool need[NMODES] = {};
   int64_t panels = 0;
   for (int i = 0; i < njobs; ++i) {
     need[jobs[i].mode] = true;
     panels += jobs[i].npanels;
   }
-  const int64_t per_group = nchunks * T;  // chunks of one input group in one mode
-  const int64_t per_mode = ngroups * per_group;
-  int modes[NMODES], nmodes = 0;  // the modes needed, in order; xq[m]: mode m's chunks, group by group
+  // xq[m]: mode m's chunks, group by group, each group chunk-major (chunk c of its row t at c * T_g + t)
+  const int64_t per_mode = nchunks * R;
+  int modes[NMODES], nmodes = 0;  // the modes needed, in order
   for (int m = 0; m < NMODES; ++m)
     if (need[m]) modes[nmodes++] = m;
   const int64_t bytes = nmodes * per_mode * static_cast<int64_t>(sizeof(XChunk)) + 64;
@@ -1316,15 +1321,15 @@ inline void gemm_multi(const float* x, int64_t ngroups, int64_t T, int64_t K, Jo
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < nq; ++it) {
       const int mode = modes[it / per_mode];
-      const int64_t gct = it % per_mode, grp = gct / per_group;
-      const int64_t ct = gct % per_group;  // chunk-major within the group: c * T + t
-      const int64_t c0 = ct / T * CHUNK, t = ct % T;
-      const int n = static_cast<int>(std::min<int64_t>(CHUNK, K - c0));
-      const float* xr = x + (grp * T + t) * K + c0;
+      const int64_t rc = it % per_mode, r = rc / nchunks, c = rc % nchunks;  // row r's chunk c
+      const int64_t grp = group_of[r], tg = gstart[grp + 1] - gstart[grp], t = r - gstart[grp];
+      const int64_t at = nchunks * gstart[grp] + c * tg + t;
+      const int n = static_cast<int>(std::min<int64_t>(CHUNK, K - c * CHUNK));
+      const float* xr = x + r * K + c * CHUNK;
       if (mode == KL)
-        quantize_chunk<KL>(xr, n, xq[KL][gct]);
+        quantize_chunk<KL>(xr, n, xq[KL][at]);
       else
-        quantize_chunk<B32>(xr, n, xq[B32][gct]);
+        quantize_chunk<B32>(xr, n, xq[B32][at]);
     }
     alignas(64) float acc[TB * NP * 8];
     // panels q .. q + n - 1 in order (forwards) or panel q (backwards), each prefetching the panel
@@ -1336,8 +1341,9 @@ inline void gemm_multi(const float* x, int64_t ngroups, int64_t T, int64_t K, Jo
         const Job& g = jobs[i];
         const int64_t qf = forwards ? q + tune.ahead : q - tune.ahead;
         const int64_t pf = qf >= first[i] && qf < std::min(hi, first[i + 1]) ? qf - first[i] : -1;
+        const int64_t g0 = gstart[g.xgroup], tg = gstart[g.xgroup + 1] - g0;
         dispatch(g.qtype, [&](auto f) {
-          panel<decltype(f)>(g, xq[g.mode] + g.xgroup * per_group, T, q - first[i], pf, tune, acc);
+          panel<decltype(f)>(g, xq[g.mode] + nchunks * g0, tg, q - first[i], pf, tune, acc);
         });
       }
     };

@@ -24,8 +24,8 @@
 #define QD_VNNI 1
 #include "ggml_q8.h"
 
-void qd_abi::gemm_multi_avx512vnni(const float* x, int64_t ngroups, int64_t T, int64_t K, Job* jobs, int njobs,
-                                   int nthreads, const Tuning& tune) {
-  qd_avx512vnni::q8::gemm_multi(x, ngroups, T, K, jobs, njobs, nthreads, tune);
+void qd_abi::gemm_multi_avx512vnni(const float* x, const int64_t* gstart, int64_t ngroups, int64_t K, Job* jobs,
+                                   int njobs, int nthreads, const Tuning& tune) {
+  qd_avx512vnni::q8::gemm_multi(x, gstart, ngroups, K, jobs, njobs, nthreads, tune);
 }
 double qd_abi::dot_rate_avx512vnni(int nthreads) { return qd_avx512vnni::q8::dot_rate(nthreads); }

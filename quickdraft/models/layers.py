@@ -16,7 +16,7 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_each, ggml_linear_multi
+from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_grouped, ggml_linear_multi
 
 ROW_BLOCK = 8  # rows per matmul in the decode/verify path
 BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path
@@ -58,12 +58,15 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
 
 
-def linear_each(modules: list[nn.Module], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``[m(x) for m, x in zip(modules, xs)]``; quantized GGML layers with inputs of one shape run as
-    ONE kernel call, with bitwise the same results."""
-    if modules and isinstance(modules[0], GGMLLinear):
-        return ggml_linear_each(modules, xs)
-    return [m(x) for m, x in zip(modules, xs, strict=True)]
+def linear_grouped(groups: list[list[nn.Module]], x: torch.Tensor, counts: list[int]) -> list[list[torch.Tensor]]:
+    """Group g's modules on the g-th of ``x``'s consecutive groups of ``counts[g]`` rows; quantized
+    GGML layers run as ONE kernel call, with bitwise the same results."""
+    if groups and groups[0] and isinstance(groups[0][0], GGMLLinear):
+        return ggml_linear_grouped(groups, x, counts)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return [[m(x[starts[g] : starts[g + 1]]) for m in ms] for g, ms in enumerate(groups)]
 
 
 def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import MLP, Linear, linear_each, linear_group
+from quickdraft.models.layers import MLP, Linear, linear_grouped
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
 ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)
@@ -134,21 +134,14 @@ def mix_experts(
     order (batch invariant). ``scale_input``: the weights scale each expert's input instead, the
     outputs are summed unweighted (llama4)."""
     t, k = experts.shape
-    flat_weights = weights.flatten()
-    ys = x.new_empty(t * k, x.shape[1])  # slot row * k + rank
-    chosen = [modules[e] for e in experts[0].tolist()] if t == 1 and not scale_input else []
-    mlps = [m for m in chosen if isinstance(m, MLP)]
-    if chosen and len(mlps) == len(chosen):
-        # One token: the chosen experts' input projections share it, so they run as one kernel
-        # call, then their down projections, each on its own expert's activation, as another
-        # (quantized GGML experts: bitwise each expert's own calls).
-        projected = linear_group([p for m in mlps for p in m.in_projections()], x)
-        n = len(projected) // k
-        hidden = [m.activate(*projected[rank * n : (rank + 1) * n]) for rank, m in enumerate(mlps)]
-        for rank, y in enumerate(linear_each([m.down_proj for m in mlps], hidden)):
-            ys[rank] = y[0].to(x.dtype)
+    groups = group_by_expert(experts)
+    mlps = [modules[e] for e in groups]
+    if not scale_input and all(isinstance(m, MLP) for m in mlps) and len({type(m) for m in mlps}) == 1:
+        ys = _grouped_mlps(mlps, list(groups.values()), x, k)  # (quantized GGML experts: few kernel calls)
     else:
-        for expert, slots in group_by_expert(experts).items():
+        ys = x.new_empty(t * k, x.shape[1])  # slot row * k + rank
+        flat_weights = weights.flatten()
+        for expert, slots in groups.items():
             idx = torch.tensor(slots, device=x.device)
             xe = x if t == 1 else x.index_select(0, idx // k)  # one row: top-k experts are distinct
             if scale_input:  # llama4 scales the input in the activation dtype, as transformers does
@@ -164,6 +157,23 @@ def mix_experts(
     for r in range(1, k):
         acc = acc + ys[:, r].float() * weights[:, r : r + 1]
     return acc.to(x.dtype)
+
+
+def _grouped_mlps(mlps: list[nn.Module], slots: list[list[int]], x: torch.Tensor, k: int) -> torch.Tensor:
+    """The chosen experts (gated MLPs of one kind) over their rows: every expert's input projections
+    in one grouped call, their activation over all rows at once, every down projection in another
+    call (GGML experts in q8 mode: each projection's bits those of its own call on its rows; other
+    layers: each module called). Returns the outputs [T * k, H] in slot (row * k + rank) order."""
+    counts = [len(s) for s in slots]
+    order = torch.tensor([s for group in slots for s in group], device=x.device)
+    rows = x.index_select(0, order // k)  # each expert's rows, one expert after another
+    typed = [m for m in mlps if isinstance(m, MLP)]
+    projected = linear_grouped([m.in_projections() for m in typed], rows, counts)
+    inputs = [torch.cat(parts) for parts in zip(*projected, strict=True)]  # (gate, up) of all rows
+    hidden = typed[0].activate(*inputs)  # (an elementwise activation, the same for experts of one kind)
+    down = linear_grouped([[m.down_proj] for m in typed], hidden, counts)
+    ys = x.new_empty(order.numel(), x.shape[1])
+    return ys.index_copy_(0, order, torch.cat([d[0] for d in down]).to(x.dtype))
 
 
 _STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.(weight|bias))?")

@@ -805,17 +805,23 @@ def ggml_linear_multi(modules: Sequence[nn.Module], x: torch.Tensor) -> list[tor
     return [y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(ys, lins, strict=True)]
 
 
-def ggml_linear_each(modules: Sequence[nn.Module], xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``[m(x) for m, x in zip(modules, xs)]``, in one kernel call where it can be: GGMLLinears
-    in q8 mode on CPU tensors, each with its own input of one shape [T, K] (the down projections
-    of a one-token step's routed experts). Each input is quantized alone and each weight's panels
-    computed as in its own call: the same bits either way."""
+def ggml_linear_grouped(groups: Sequence[Sequence[nn.Module]], x: torch.Tensor,
+                        counts: Sequence[int]) -> list[list[torch.Tensor]]:
+    """``[[m(rows_g) for m in groups[g]] for g]``, rows_g the g-th of ``x``'s consecutive groups of
+    ``counts[g]`` rows (a pass's rows grouped by routed expert, each expert's projections on its
+    rows), in one kernel call where every module is a GGMLLinear in q8 mode on CPU tensors: each
+    row quantized alone, each weight's panels over its group's rows as in its own call, so the same
+    bits either way."""
     mod = _active_kernels()
-    lins = [m for m in modules if isinstance(m, GGMLLinear) and m.raw.is_cpu and m.activation_mode == "q8"]
-    shape = xs[0].shape if xs else None
-    if (mod is None or len(lins) < 2 or len(lins) != len(modules) or len(xs) != len(lins)
-            or any(x.shape != shape or x.dim() != 2 or not x.is_cpu for x in xs)
-            or any(m.in_features != xs[0].shape[-1] for m in lins)):
-        return [m(x) for m, x in zip(modules, xs, strict=True)]
-    stacked = torch.stack([x.float() for x in xs])
-    return list(mod.linear_each(stacked, [(m._set_layout(True), m.raw, m.in_features, m.bias) for m in lins]))
+    flat = [m for g in groups for m in g]
+    lins = [m for m in flat if isinstance(m, GGMLLinear) and m.raw.is_cpu and m.activation_mode == "q8"
+            and m.in_features == x.shape[-1]]
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + int(c))
+    if mod is None or not x.is_cpu or x.dim() != 2 or len(lins) != len(flat) or len(lins) < 2:
+        return [[m(x[starts[g] : starts[g + 1]]) for m in ms] for g, ms in enumerate(groups)]
+    specs = [(m._set_layout(True), m.raw, m.in_features, m.bias) for m in lins]
+    which = [g for g, ms in enumerate(groups) for _ in ms]
+    ys = iter(mod.linear_grouped(x.float().contiguous(), [int(c) for c in counts], specs, which))
+    return [[next(ys) for _ in ms] for ms in groups]
