@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+import types
 from typing import Any
 
 from quickdraft.engine import Engine
@@ -22,10 +23,11 @@ from quickdraft.quant import ggml
 from quickdraft.sampling import SamplingParams
 
 
-class Timed:
+class Timed(types.ModuleType):
     """The kernel module with every public function's wall time summed by name."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: types.ModuleType) -> None:
+        super().__init__(module.__name__)
         self.module = module
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter[str] = collections.Counter()
