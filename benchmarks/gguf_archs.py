@@ -149,6 +149,18 @@ REAL_VOCAB = {"gpt-oss": 201_088, "gemma4": 262_144, "qwen35": 248_320, "qwen35m
 SIZES = {"gpt-oss": ("20b",), "gemma4": ("e2b", "26b-a4b"), "qwen35": ("0.8b", "4b"), "qwen35moe": ("35b-a3b",)}
 
 
+def gemma4_windows(w: Any, hd: int, ghd: int, window: int, swa: list[bool]) -> None:
+    """Gemma 4's two head sizes (sliding ``hd``, full ``ghd``), their RoPE and the sliding pattern."""
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    w.add_rope_dimension_count(ghd)
+    w.add_rope_dimension_count_swa(hd)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_rope_freq_base_swa(10_000.0)
+    w.add_sliding_window(window)
+    w.add_sliding_window_pattern(swa)
+
+
 def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | None = None,
                mtp: bool = False, size: str | None = None) -> dict[str, Any]:
     """The random file (``vocab``: rows of the embedding and head, the tiny tokenizer's padded
@@ -228,14 +240,7 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
         swa = [(i + 1) % 6 != 0 for i in range(layers)]
         swa[-1] = False
         attention(h, [inter] * layers, nh, [nkv if s else gkv for s in swa], ghd)
-        w.add_key_length_swa(hd)
-        w.add_value_length_swa(hd)
-        w.add_rope_dimension_count(ghd)
-        w.add_rope_dimension_count_swa(hd)
-        w.add_rope_freq_base(1_000_000.0)
-        w.add_rope_freq_base_swa(10_000.0)
-        w.add_sliding_window(window)
-        w.add_sliding_window_pattern(swa)
+        gemma4_windows(w, hd, ghd, window, swa)
         w.add_shared_kv_layers(0)
         w.add_embedding_length_per_layer_input(0)
         w.add_final_logit_softcapping(30.0)
@@ -285,14 +290,7 @@ def write_gguf(arch: str, layers: int, path: Path, seed: int = 0, vocab: int | N
         swa += [True] * (shared - 1) + [False] * min(shared, 1)
         ff = [2 * inter if i >= first_shared else inter for i in range(layers)]
         attention(h, ff, nh, [nkv] * layers, ghd)
-        w.add_key_length_swa(hd)
-        w.add_value_length_swa(hd)
-        w.add_rope_dimension_count(ghd)
-        w.add_rope_dimension_count_swa(hd)
-        w.add_rope_freq_base(1_000_000.0)
-        w.add_rope_freq_base_swa(10_000.0)
-        w.add_sliding_window(window)
-        w.add_sliding_window_pattern(swa)
+        gemma4_windows(w, hd, ghd, window, swa)
         w.add_shared_kv_layers(shared)
         w.add_embedding_length_per_layer_input(ple)
         w.add_final_logit_softcapping(30.0)

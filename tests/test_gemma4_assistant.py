@@ -21,7 +21,7 @@ from test_concurrency import alone, requests, run_to_end
 from test_loading_errors import _cli, assert_words
 from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_tree import generate
-from tiny import load_reference, make_tiny_hf_model, tiny_config
+from tiny import ProposalRecorder, load_reference, make_tiny_hf_model, tiny_config
 
 from quickdraft.assemble.drafters import build_drafter
 from quickdraft.engine import Engine
@@ -154,21 +154,6 @@ def test_logits_equal_transformers(folders: dict[str, Path], target: LoadedModel
     assert cache.length == p  # nothing written into the target's cache
 
 
-class Recorder:
-    """Wraps a drafter's proposals: (committed tokens, proposed chain) per step."""
-
-    def __init__(self, drafter: Any) -> None:
-        self.log: list[tuple[list[int], list[int]]] = []
-        inner = drafter.drafting
-
-        def drafting(k: int) -> Any:
-            draft = yield from inner(k)
-            self.log.append((list(drafter.tokens), draft.tokens.tolist()))
-            return draft
-
-        drafter.drafting = drafting
-
-
 def drafter(folder: Path, target: LoadedModel, mode: str) -> AssistantDrafter:
     return AssistantDrafter(load_assistant(folder, target.model), target.model, mode=mode, policy=False,
                             head_seconds=0.0)
@@ -176,7 +161,7 @@ def drafter(folder: Path, target: LoadedModel, mode: str) -> AssistantDrafter:
 
 def test_proposals_are_transformers_chain_step_by_step(folders: dict[str, Path], target: LoadedModel) -> None:
     d = drafter(folders["masked"], target, "chain")
-    rec = Recorder(d)
+    rec = ProposalRecorder(d)
     prompt = target.tokenizer.encode(TEXT[:40])
     generate(target, prompt, d, 3, max_tokens=10, ignore_eos=True)
     assert len(rec.log) >= 3

@@ -32,6 +32,7 @@ from test_prefix_cache import GREEDY, MB, run, same, tokens
 from test_spec import Case, check_scripted, make_case
 from test_tree import TreeOracle, generate
 from tiny import (
+    ProposalRecorder,
     load_reference,
     make_tiny_hf_model,
     qwen3_5_to_gguf,
@@ -360,21 +361,6 @@ def with_mtp(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return load_model(str(folder), dtype="float32", max_context=256)
 
 
-class Recorder:
-    """Wraps an MTP drafter's proposals: (committed tokens, proposed chain) per step."""
-
-    def __init__(self, drafter: Any) -> None:
-        self.log: list[tuple[list[int], list[int]]] = []
-        inner = drafter.drafting
-
-        def drafting(k: int) -> Any:
-            draft = yield from inner(k)
-            self.log.append((list(drafter.tokens), draft.tokens.tolist()))
-            return draft
-
-        drafter.drafting = drafting
-
-
 def reference_chain(ref: Any, mtp: dict[str, torch.Tensor], context: list[int], k: int) -> list[int]:
     """The MTP chain from the published equations, with transformers' own Qwen3.5 decoder layer:
     row j reads fc([norm_e(embed(t_{j+1})), norm_h(s_j)]) (s: the target's last hidden states after
@@ -420,7 +406,7 @@ def test_mtp_proposals_equal_the_equations_step_by_step(with_mtp: LoadedModel, f
     head = mtp_head(with_mtp.model)
     assert head is not None and with_mtp.model.load_notes == []
     drafter = MTPDrafter(head, with_mtp.model, mode="chain", policy=False, head_seconds=0.0)
-    rec = Recorder(drafter)
+    rec = ProposalRecorder(drafter)
     prompt = with_mtp.tokenizer.encode(TEXT[:50])
     generate(with_mtp, prompt, drafter, 3, max_tokens=12, ignore_eos=True)
     assert len(rec.log) >= 3
@@ -496,7 +482,7 @@ def test_gguf_matches_transformers_and_carries_its_mtp_layer(with_mtp: LoadedMod
         head = mtp_head(loaded.model)
         assert head is not None
         drafter = MTPDrafter(head, loaded.model, mode="chain", policy=False, head_seconds=0.0)
-        rec = Recorder(drafter)
+        rec = ProposalRecorder(drafter)
         generate(loaded, prompt, drafter, 3, max_tokens=12, ignore_eos=True)
         logs.append(rec.log)
     assert logs[0] == logs[1] and len(logs[0]) >= 3
@@ -614,7 +600,7 @@ def test_mtp_with_a_cut_output_vocabulary_stays_lossless(with_mtp: LoadedModel) 
     ids = torch.tensor(sorted(set(range(0, 300, 2)) | set(truth[:10])))
     assert head.cut_vocab(ids) and head.config.draft_vocab_size == len(ids)
     drafter = MTPDrafter(head, with_mtp.model, mode="chain", policy=False, head_seconds=0.0)
-    rec = Recorder(drafter)
+    rec = ProposalRecorder(drafter)
     got = generate(with_mtp, prompt, drafter, 3, max_tokens=30, ignore_eos=True)
     assert got.ids == truth and got.stats.drafted > 0
     assert {t for _, proposal in rec.log for t in proposal} <= set(ids.tolist())

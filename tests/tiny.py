@@ -776,3 +776,19 @@ def make_spm_gguf(path: Path, arch: str) -> Path:
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     return _finish(w, path)
+
+
+class ProposalRecorder:
+    """Wraps a feature drafter's proposals (EAGLE-3, MTP, the Gemma 4 assistant): (committed tokens,
+    proposed chain) per step, in ``log``."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.log: list[tuple[list[int], list[int]]] = []
+        inner = drafter.drafting
+
+        def drafting(k: int) -> Any:
+            draft = yield from inner(k)
+            self.log.append((list(drafter.tokens), draft.tokens.tolist()))
+            return draft
+
+        drafter.drafting = drafting
