@@ -21,7 +21,7 @@ Drafters propose together before each pass (:func:`~quickdraft.speculative.batch
 the passes their own models ask for run as one pass per round where the drafters share a KV pool.
 
 Prefill first asks the prefix cache (:mod:`quickdraft.prefix_cache`) for the longest already
-computed prefix of the prompt, then runs the rest in chunks of at most ``PREFILL_CHUNK`` rows: the
+computed prefix of the prompt, then runs the rest in chunks of at most ``model.prefill_rows()`` rows: the
 same batch-invariant passes decoding uses, so a token's keys and values are bitwise the same
 whichever way its sequence was cut into passes, and a warm request equals a cold one.
 """
@@ -43,7 +43,7 @@ from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.graphs import make_step_graphs
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, PREFILL_CHUNK, RowSlots
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
 from quickdraft.prefix_cache import PrefixCache, as_ids, common_prefix
 from quickdraft.sampling import (
     SamplingParams,
@@ -494,7 +494,7 @@ class Engine:
                     continue
                 g.follows = None
                 self._reuse(g)
-            n = min(len(g.req.prompt_ids) - g.computed, PREFILL_CHUNK if alone else left)
+            n = min(len(g.req.prompt_ids) - g.computed, self.model.prefill_rows() if alone else left)
             if n <= 0:
                 break
             parts.append(self._prefill_part(g, n))

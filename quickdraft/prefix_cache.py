@@ -34,7 +34,7 @@ Worked example (budget for one stored entry)::
     request D  [sys u1 a1 u2 b2 u3]   E1 matches more than working: store working as E2 (the
                                  budget evicts nothing yet), restore E1's slots, compute u3
 
-Losslessness: prefills run in chunks of at most ``PREFILL_CHUNK`` rows through the same
+Losslessness: prefills run in chunks of at most ``model.prefill_rows()`` rows through the same
 batch-invariant path as decode and verify passes, so every slot's keys and values are bitwise the
 same however the sequence was cut into passes (one long prefill, a restored prefix + the rest, or
 decode steps): a restored prefix is exactly the state a cold prefill builds, and every later pass

@@ -15,7 +15,7 @@ from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
 
 Q = GGMLQuantizationType
@@ -199,3 +199,24 @@ def test_cut_output_vocabulary_of_a_quantized_head(quantized: LoadedModel) -> No
         model.set_output_vocab(None)
     assert torch.equal(cut[:, ids], full[:, ids])
     assert int(torch.isfinite(cut).sum()) == 2 * ids.numel()
+
+
+def test_long_prefill_passes_are_bitwise_short_ones(quantized: LoadedModel) -> None:
+    """On the native path a chain of up to NATIVE_CHAIN_ROWS rows is computed row by row as a
+    64-row pass or a single row is: one 250-row pass, 64-row passes and single rows give the same
+    logits for every row, so the longer prefill passes (``prefill_rows``) keep prefix reuse exact."""
+    model = quantized.model
+    assert model.prefill_rows() == NATIVE_CHAIN_ROWS > BLOCKED_MAX_ROWS
+    ids = torch.tensor([(11 * i + 4) % 250 + 3 for i in range(250)])
+
+    def cut(rows: int) -> torch.Tensor:
+        cache = model.new_cache()
+        return torch.cat([model(ids[s : s + rows], cache)[0] for s in range(0, len(ids), rows)])
+
+    whole = cut(250)
+    assert torch.equal(whole, cut(64))
+    assert torch.equal(whole[:40], cut(1)[:40])
+    cache = model.new_cache()
+    assert torch.equal(model.prefill(ids, cache), whole[-1:])  # the engine's prefill of a prompt alone
+    with reference_mode():  # without the kernels: the 64-row passes of before
+        assert model.prefill_rows() == BLOCKED_MAX_ROWS

@@ -21,6 +21,8 @@ from quickdraft.cache import KVCache, KVType
 from quickdraft.config import ModelConfig
 from quickdraft.models.layers import (
     BLOCKED_MAX_ROWS,
+    NATIVE_CHAIN_ROWS,
+    PREFILL_CHUNK,
     DecoderLayer,
     Linear,
     RMSNorm,
@@ -33,6 +35,8 @@ from quickdraft.models.layers import (
     prefill_chunks,
 )
 from quickdraft.models.native import NativeStack
+from quickdraft.quant.fp8 import FP8Linear
+from quickdraft.quant.ggml import GGMLLinear, active_kernels, layout_epoch
 
 
 class DenseBackbone(nn.Module):
@@ -69,6 +73,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self._native = NativeStack()
+        self._prefill_rows: tuple[tuple[int, bool], int] = ((-1, False), PREFILL_CHUNK)  # (when, prefill_rows)
         self._vocab_subset: tuple[torch.Tensor, nn.Module] | None = None  # set_output_vocab
         self.load_notes: list[str] = []  # what loading left out of the checkpoint, for the start-up lines
         self.mtp_weights: dict[str, Any] = {}  # the checkpoint's multi-token-prediction tensors (mtp_layer)
@@ -98,6 +103,31 @@ class CausalLM(nn.Module):
 
     def new_cache(self) -> KVCache:
         return self.make_cache(self.max_len)
+
+    # Families whose layers run every pass mode on the shared Step path (chains of up to
+    # NATIVE_CHAIN_ROWS rows batch invariant where the kernels run them); a family that handles
+    # long passes itself says BLOCKED_MAX_ROWS.
+    chain_rows = NATIVE_CHAIN_ROWS
+
+    def prefill_rows(self) -> int:
+        """The most rows of one prefill pass: ``chain_rows`` where every pass runs on the native
+        kernels' batch-invariant path (CPU float32, the kernels built, every matrix a q8 GGML block
+        or a blocked :class:`Linear`), else PREFILL_CHUNK. Any cut gives the same bits; longer passes
+        read the weights fewer times (a 256-expert MoE layer's experts once per 256 rows, not 64)."""
+        key = (layout_epoch(), active_kernels() is not None)
+        if self._prefill_rows[0] != key:
+            self._prefill_rows = (key, self._measure_prefill_rows())
+        return self._prefill_rows[1]
+
+    def _measure_prefill_rows(self) -> int:
+        if self.chain_rows <= PREFILL_CHUNK or self.dtype != torch.float32 or self.device.type != "cpu" \
+                or active_kernels() is None:
+            return PREFILL_CHUNK
+        for m in self.modules():
+            plain = isinstance(m, nn.Linear) and not isinstance(m, Linear)
+            if plain or (isinstance(m, GGMLLinear) and m.activation_mode != "q8") or isinstance(m, FP8Linear):
+                return PREFILL_CHUNK
+        return self.chain_rows
 
     def make_cache(self, max_len: int) -> KVCache:
         cfg = self.config
@@ -146,7 +176,8 @@ class CausalLM(nn.Module):
             step.outputs = logit_rows.tolist()
         x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
-        stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS else None
+        chain = rows is None and mask is None
+        stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS or (chain and t <= NATIVE_CHAIN_ROWS) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
             x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))
@@ -164,11 +195,11 @@ class CausalLM(nn.Module):
     def prefill(
         self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """:meth:`forward` over ``ids`` [T] in passes of at most PREFILL_CHUNK rows (bitwise the keys
+        """:meth:`forward` over ``ids`` [T] in passes of at most :meth:`prefill_rows` rows (bitwise the keys
         and values of any other cut); logits [1, V] of the last row."""
         logits = torch.empty(0)
         t = ids.shape[0]
-        for s, e in prefill_chunks(0, t):
+        for s, e in prefill_chunks(0, t, self.prefill_rows()):
             pos = None if positions is None else positions[s:e]
             logits, _ = self(ids[s:e], cache, positions=pos, num_logits=1 if e == t else 0)
         return logits

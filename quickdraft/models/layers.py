@@ -19,15 +19,20 @@ from quickdraft.config import ModelConfig
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_grouped, ggml_linear_multi
 
 ROW_BLOCK = 8  # rows per matmul in the decode/verify path
-BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path
-# Prefills run in passes of at most this many rows: the batch-invariant path, so a token's keys and
-# values are bitwise the same however its sequence is cut into passes (prefix reuse stays exact).
+BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path ...
+# ... except chains on the native kernels' path (CPU float32, the kernels built): there the q8 GEMMs,
+# the native attention, the Gated DeltaNet step and Linear's blocked matmuls compute a row the same
+# way up to this many rows (CausalLM.prefill_rows).
+NATIVE_CHAIN_ROWS = 256
+# Prefills run in passes of at most this many rows (CausalLM.prefill_rows: NATIVE_CHAIN_ROWS where the
+# native path runs the whole model): the batch-invariant path, so a token's keys and values are
+# bitwise the same however its sequence is cut into passes (prefix reuse stays exact).
 PREFILL_CHUNK = BLOCKED_MAX_ROWS
 
 
-def prefill_chunks(start: int, end: int) -> list[tuple[int, int]]:
-    """Rows ``[start, end)`` cut into the passes a prefill runs: ``(s, e)`` of at most PREFILL_CHUNK."""
-    return [(s, min(s + PREFILL_CHUNK, end)) for s in range(start, end, PREFILL_CHUNK)]
+def prefill_chunks(start: int, end: int, rows: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
+    """Rows ``[start, end)`` cut into the passes a prefill runs: ``(s, e)`` of at most ``rows``."""
+    return [(s, min(s + rows, end)) for s in range(start, end, rows)]
 
 
 class Linear(nn.Linear):
@@ -49,7 +54,7 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``F.linear`` computed the batch-invariant way :class:`Linear` describes (also used by
     layers that build their weight on the fly, e.g. ``quickdraft.quant.fp8.FP8Linear``)."""
     t = x.shape[0]
-    if t > BLOCKED_MAX_ROWS:
+    if t > NATIVE_CHAIN_ROWS:
         return F.linear(x, weight, bias)
     pad = (-t) % ROW_BLOCK
     if pad:
@@ -420,8 +425,9 @@ class Attention(nn.Module):
             n = step.mask.shape[1]
             out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
             return out.transpose(0, 1).reshape(t, self.nh * self.hd)
-        if self.native and t <= BLOCKED_MAX_ROWS and cache.storage_dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
-            # decode / verify rows: cache write and attention in one native call
+        short = t <= BLOCKED_MAX_ROWS or (not step.tree and t <= NATIVE_CHAIN_ROWS)
+        if self.native and short and cache.storage_dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
+            # decode / verify rows, prefill chains: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)
             return ops.attend(
                 q, cache.k_layers[layer], cache.v_layers[layer], step.start, self.window or 0, self.scale,
@@ -431,10 +437,10 @@ class Attention(nn.Module):
             keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
         else:
             keys, values = cache.read(layer, step.start + t)
-        if t > BLOCKED_MAX_ROWS:
+        if t > NATIVE_CHAIN_ROWS or (step.tree and t > BLOCKED_MAX_ROWS):  # (the plain way: not batch invariant)
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
             out = self._attend(q, keys, values, mask)  # [Hq, T, D]
-        else:
+        else:  # each row alone (a chain of up to NATIVE_CHAIN_ROWS: a prefill pass, see CausalLM.prefill_rows)
             rows = [self._attend_row(q, keys, values, step, i) for i in range(t)]
             out = rows[0] if t == 1 else torch.cat(rows, dim=1)
         return out.transpose(0, 1).reshape(t, self.nh * self.hd)
