@@ -15,7 +15,7 @@ from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS
+from quickdraft.models.layers import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
 
 Q = GGMLQuantizationType
@@ -220,3 +220,20 @@ def test_long_prefill_passes_are_bitwise_short_ones(quantized: LoadedModel) -> N
     assert torch.equal(model.prefill(ids, cache), whole[-1:])  # the engine's prefill of a prompt alone
     with reference_mode():  # without the kernels: the 64-row passes of before
         assert model.prefill_rows() == BLOCKED_MAX_ROWS
+
+
+@pytest.mark.parametrize("outputs", [1, 2, 3, 4, 16])
+def test_a_float_linear_row_is_the_same_in_any_pass(outputs: int) -> None:
+    """Linear's blocked matmul gives a row the same bits alone, in a 64-row pass and in a 250-row
+    one, also with 2 or 3 output columns (torch's CPU GEMM sums those in an order that depends on the
+    other rows: a tiny Gated DeltaNet's b / a projections; they run padded to 4)."""
+    gen = torch.Generator().manual_seed(outputs)
+    layer = Linear(64, outputs, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(outputs, 64, generator=gen))
+        layer.bias.copy_(torch.randn(outputs, generator=gen))
+        x = torch.randn(250, 64, generator=gen)
+        whole = layer(x)
+        torch.testing.assert_close(whole, x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+        assert torch.equal(whole[:64], layer(x[:64]))
+        assert all(torch.equal(layer(x[i : i + 1])[0], whole[i]) for i in range(0, 250, 7))

@@ -56,6 +56,11 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     t = x.shape[0]
     if t > NATIVE_CHAIN_ROWS:
         return F.linear(x, weight, bias)
+    n = weight.shape[0]
+    if 1 < n < 4:  # torch's CPU GEMM sums 2-3 output columns in an order that depends on the other rows
+        weight = torch.cat([weight, weight.new_zeros(4 - n, weight.shape[1])])
+        bias = None if bias is None else torch.cat([bias, bias.new_zeros(4 - n)])
+        return blocked_linear(x, weight, bias)[:, :n].contiguous()
     pad = (-t) % ROW_BLOCK
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
