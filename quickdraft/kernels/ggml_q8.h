@@ -1253,9 +1253,12 @@ inline void gemm_multi(const float* x, const int64_t* gstart, int64_t ngroups, i
                        int nthreads, const Tuning& tune) {
   const int64_t nchunks = (K + CHUNK - 1) / CHUNK;
   const int64_t R = gstart[ngroups];
-  std::vector<int64_t> group_of(R);  // each row's group
-  for (int64_t g = 0; g < ngroups; ++g)
-    for (int64_t r = gstart[g]; r < gstart[g + 1]; ++r) group_of[r] = g;
+  std::vector<int64_t> group_of;  // each row's group, where there are several (one: every row's is 0)
+  if (ngroups > 1) {
+    group_of.resize(R);
+    for (int64_t g = 0; g < ngroups; ++g)
+      for (int64_t r = gstart[g]; r < gstart[g + 1]; ++r) group_of[r] = g;
+  }
   bool need[NMODES] = {};
   int64_t panels = 0;
   for (int i = 0; i < njobs; ++i) {
@@ -1322,7 +1325,7 @@ inline void gemm_multi(const float* x, const int64_t* gstart, int64_t ngroups, i
     for (int64_t it = 0; it < nq; ++it) {
       const int mode = modes[it / per_mode];
       const int64_t rc = it % per_mode, r = rc / nchunks, c = rc % nchunks;  // row r's chunk c
-      const int64_t grp = group_of[r], tg = gstart[grp + 1] - gstart[grp], t = r - gstart[grp];
+      const int64_t grp = ngroups > 1 ? group_of[r] : 0, tg = gstart[grp + 1] - gstart[grp], t = r - gstart[grp];
       const int64_t at = nchunks * gstart[grp] + c * tg + t;
       const int n = static_cast<int>(std::min<int64_t>(CHUNK, K - c * CHUNK));
       const float* xr = x + r * K + c * CHUNK;
