@@ -109,6 +109,8 @@ from tiny import gguf_tokenizer_metadata, tokenizer_vocab_size  # noqa: E402  (t
 
 OUT = Path(__file__).parent / "results" / "gguf_archs"
 DEFAULT_BENCH = Path.home() / ".cache/quickdraft/llamacpp-native/bin/llama-bench"
+# the fork ikawrakow/ik_llama.cpp, built on this machine (see --ik-llama-bench)
+DEFAULT_IK_BENCH = Path.home() / ".cache/quickdraft/ik_llama/build/bin/llama-bench"
 
 
 def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, lead: tuple[int, ...] = ()) -> np.ndarray:
@@ -643,12 +645,19 @@ def print_draft_cost(name: str, cost: dict[str, Any]) -> None:
           + ", ".join(f"chain {k} {x:.2f}x" for k, x in cost["projected"].items()))
 
 
-def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float:
-    """llama-bench's tokens/s: of ``decode`` generated tokens (tg), or of a ``prompt``-token prompt (pp)."""
+def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float | None:
+    """llama-bench's tokens/s: of ``decode`` generated tokens (tg), or of a ``prompt``-token prompt (pp);
+    None (with a line saying why) where this build cannot run the file."""
     out = subprocess.run([str(binary), "-m", str(path), "-p", str(prompt), "-n", str(decode), "-t", str(threads),
-                          "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
-    rows = json.loads(out.stdout)
-    return float(rows[0]["avg_ts"])
+                          "-r", "1", "-o", "json"], capture_output=True, text=True,
+                         env={**os.environ, "LD_LIBRARY_PATH": str(binary.parent)})
+    try:
+        rows = json.loads(out.stdout)
+        return float(rows[0]["avg_ts"])
+    except (ValueError, LookupError, TypeError):
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"  {binary} cannot run {path.name} (exit {out.returncode}): {last}")
+        return None
 
 
 def main() -> None:
@@ -662,6 +671,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--llama-bench", type=Path, default=DEFAULT_BENCH)
+    ap.add_argument("--ik-llama-bench", type=Path, default=DEFAULT_IK_BENCH,
+                    help="a second opponent: llama-bench of the fork ikawrakow/ik_llama.cpp built on this machine "
+                         "(skipped where the file is absent or the build cannot run the family)")
     ap.add_argument("--file", type=Path, default=None, help="where to write the random GGUF (default: /tmp)")
     ap.add_argument("--vocab", default="real",
                     help="rows of the embedding and output head: real (the released model's), tiny (the tests' "
@@ -704,21 +716,29 @@ def main() -> None:
     t0 = time.perf_counter()
     loaded = load_model(str(path), max_context=max(512, args.prefill + 64))
     print(f"quickdraft loaded it in {time.perf_counter() - t0:.1f} s: {loaded.config.layer_pattern()}")
-    runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "llama.cpp": [],
-                                    "quickdraft prefill": [], "llama.cpp prefill": []}
+    opponents = {name: binary for name, binary in (("llama.cpp", args.llama_bench),
+                                                   ("ik_llama.cpp", args.ik_llama_bench)) if binary.is_file()}
+    runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "quickdraft prefill": []}
+    for name in opponents:
+        runs[name], runs[f"{name} prefill"] = [], []
     taus: list[float] = []
-    have_llama = args.llama_bench.is_file()
     for r in range(args.rounds):
         runs["quickdraft"].append(quickdraft_decode(loaded, args.tokens, "none", repetitive=False)[0])
         speed, tau = quickdraft_decode(loaded, args.tokens, "auto", repetitive=True)
         runs["quickdraft-auto"].append(speed)
         taus.append(tau)
-        if have_llama:
-            runs["llama.cpp"].append(llama_bench(args.llama_bench, path, args.threads, decode=args.tokens))
         if args.prefill:
             runs["quickdraft prefill"].append(quickdraft_prefill(loaded, args.prefill))
-            if have_llama:
-                runs["llama.cpp prefill"].append(llama_bench(args.llama_bench, path, args.threads, prompt=args.prefill))
+        for name, binary in list(opponents.items()):
+            speeds = [llama_bench(binary, path, args.threads, decode=args.tokens)]
+            if args.prefill:
+                speeds.append(llama_bench(binary, path, args.threads, prompt=args.prefill))
+            if None in speeds:  # this build does not run the family: drop it
+                del opponents[name], runs[name], runs[f"{name} prefill"]
+                continue
+            runs[name].append(speeds[0])
+            if args.prefill:
+                runs[f"{name} prefill"].append(speeds[1])
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v))
     med = {k: statistics.median(v) for k, v in runs.items() if v}
     passes = pass_ratios(loaded)
@@ -727,7 +747,7 @@ def main() -> None:
     kernels = load_kernels()
     probe = kernels.read_bandwidth(1 << 30, args.threads, 3) if kernels is not None else float("nan")
     step_bytes = active_bytes(path, shape)
-    bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", "llama.cpp") if k in med}
+    bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", *opponents)}
     mtp = assistant = None
     if args.mtp:  # the engine's --draft mtp drafter (its output head cut to --draft-vocab tokens), chains
         from quickdraft.assemble.drafters import build_drafter
@@ -749,10 +769,10 @@ def main() -> None:
           f"(median of {args.rounds}; prefill: a {args.prefill}-token prompt):")
     for k, v in med.items():
         print(f"  {k:18s} {v:8.2f}")
-    if "llama.cpp" in med:
-        print(f"  quickdraft / llama.cpp: {med['quickdraft'] / med['llama.cpp']:.2f}x")
-    if "llama.cpp prefill" in med:
-        print(f"  prefill, quickdraft / llama.cpp: {med['quickdraft prefill'] / med['llama.cpp prefill']:.2f}x")
+    for name in opponents:
+        print(f"  quickdraft / {name}: {med['quickdraft'] / med[name]:.2f}x")
+        if f"{name} prefill" in med:
+            print(f"  prefill, quickdraft / {name}: {med['quickdraft prefill'] / med[f'{name} prefill']:.2f}x")
     print(f"  a decode step reads {step_bytes / 2**20:.0f} MiB: " + ", ".join(
         f"{k} {v:.1f} GB/s ({v / probe:.0%} of the {probe:.1f} GB/s read probe)" for k, v in bandwidth.items()))
     print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
@@ -765,6 +785,7 @@ def main() -> None:
                          f"{'-mtp' if args.mtp else ''}{'-assistant' if args.assistant else ''}")
     out = OUT / f"{name}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(), "shape": shape,
+                               "opponents": {name: str(binary) for name, binary in opponents.items()},
                                "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
                                "runs": runs, "median": med, "pass_ratios": passes, "mtp": mtp,
                                "assistant": assistant,
