@@ -645,6 +645,20 @@ def print_draft_cost(name: str, cost: dict[str, Any]) -> None:
           + ", ".join(f"chain {k} {x:.2f}x" for k, x in cost["projected"].items()))
 
 
+def peak_memory(loaded: Any, path: Path) -> dict[str, float]:
+    """This process's peak resident memory (``ru_maxrss``: loading included) against the file plus the KV cache
+    an engine of the loaded model allocates (recurrent states are not counted in ``kv``: for hybrids the ratio
+    is an upper bound)."""
+    import resource
+
+    from quickdraft.engine import Engine
+
+    kv = Engine(loaded.model, loaded.tokenizer).kv_bytes
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    file = path.stat().st_size
+    return {"peak_rss": rss, "file": file, "kv": kv, "ratio": rss / (file + kv)}
+
+
 def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float | None:
     """llama-bench's tokens/s: of ``decode`` generated tokens (tg), or of a ``prompt``-token prompt (pp);
     None (with a line saying why) where this build cannot run the file."""
@@ -747,6 +761,7 @@ def main() -> None:
     kernels = load_kernels()
     probe = kernels.read_bandwidth(1 << 30, args.threads, 3) if kernels is not None else float("nan")
     step_bytes = active_bytes(path, shape)
+    memory = peak_memory(loaded, path)
     bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", *opponents)}
     mtp = assistant = None
     if args.mtp:  # the engine's --draft mtp drafter (its output head cut to --draft-vocab tokens), chains
@@ -775,6 +790,8 @@ def main() -> None:
             print(f"  prefill, quickdraft / {name}: {med['quickdraft prefill'] / med[f'{name} prefill']:.2f}x")
     print(f"  a decode step reads {step_bytes / 2**20:.0f} MiB: " + ", ".join(
         f"{k} {v:.1f} GB/s ({v / probe:.0%} of the {probe:.1f} GB/s read probe)" for k, v in bandwidth.items()))
+    print(f"  memory: peak RSS {memory['peak_rss'] / 2**30:.2f} GiB = {memory['ratio']:.2f}x the file "
+          f"({memory['file'] / 2**30:.2f} GiB) + the engine's KV cache ({memory['kv'] / 2**30:.2f} GiB)")
     print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
     if mtp is not None:
         print_draft_cost(f"MTP (output head of {mtp['draft_vocab']} tokens)", mtp)
@@ -789,7 +806,7 @@ def main() -> None:
                                "tokens": args.tokens, "prefill": args.prefill, "threads": args.threads,
                                "runs": runs, "median": med, "pass_ratios": passes, "mtp": mtp,
                                "assistant": assistant,
-                               "step_bytes": step_bytes, "read_probe_gbs": probe, "decode_gbs": bandwidth,
+                               "step_bytes": step_bytes, "memory": memory, "read_probe_gbs": probe, "decode_gbs": bandwidth,
                                "auto_tau": taus}, indent=1))
     print(f"saved {out}")
 
