@@ -1,48 +1,25 @@
-"""OpenAI-compatible request and response schemas (OpenAI's field names).
+"""OpenAI's wire types: the chat and text completion requests and answers, and its error object.
 
 Requests tolerate fields they do not know (clients send vendor extras); the extras quickdraft
 understands follow vLLM: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``. Anything invalid becomes an :class:`ApiError`, which the app turns into
-OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+``stop_token_ids``. Anything invalid becomes an :class:`~quickdraft.server.errors.ApiError`,
+which OpenAI's routes answer as its error object ``{"error": {"message", "type", "param",
+"code"}}`` with a 4xx status. The other dialects are translated into the chat request here.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
+from quickdraft.server.errors import ApiError, ErrorShape
+from quickdraft.server.validation import Lenient
 
 MAX_LOGPROBS = 20
-
-
-class ApiError(Exception):
-    """An error to send to the client as an OpenAI error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.code)
 
 
 def error_body(
@@ -51,51 +28,52 @@ def error_body(
     param: str | None = None,
     code: str | None = None,
 ) -> dict[str, Any]:
+    """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-M = TypeVar("M", bound=BaseModel)
+class OpenAIErrors(ErrorShape):
+    """Errors as OpenAI writes them: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error.message, error.kind, error.param, error.code)
 
 
-def _dotted(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(p) for p in loc)
+OPENAI_ERRORS = OpenAIErrors()
 
-
-def parse_request(
-    model: type[M], data: Any, field: Callable[[tuple[int | str, ...]], str] = _dotted
-) -> M:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming the field
-    (``field`` writes pydantic's error location as the API names it)."""
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = field(tuple(err["loc"])) or None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
+ERROR_SCHEMA: dict[str, Any] = {  # OpenAPI's schema of error_body
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 
 
 # ------------------------------------------------------------------------------------ requests
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     name: str = "schema"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -104,7 +82,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator can be seeded
 MAX_CHOICES = 16  # n: choices per request (each a sequence of its own; more than the engine runs at once wait)
 
 
-class _GenerationRequest(_Lenient):
+class _GenerationRequest(Lenient):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -205,23 +183,23 @@ class _GenerationRequest(_Lenient):
             raise ApiError(400, str(exc)) from None
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class FunctionCallIn(_Lenient):
+class FunctionCallIn(Lenient):
     name: str
     arguments: str = "{}"  # JSON text, as OpenAI sends it
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(Lenient):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -263,23 +241,23 @@ def _call_for_template(call: ToolCallIn) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": function}
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
     strict: bool | None = None
 
 
-class ToolDefinition(_Lenient):
+class ToolDefinition(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: NamedFunction
 

@@ -1,0 +1,2 @@
+"""OpenAI's Responses API, translated onto the chat route: :mod:`.router`, :mod:`.protocol`,
+:mod:`.translate`, :mod:`.streaming_events`, :mod:`.store`."""
