@@ -20,9 +20,13 @@ import httpx
 import pytest
 from live_server import KEY, Server, running, start_server
 
-from quickdraft.server import messages_api as m
-from quickdraft.server import protocol as p
-from quickdraft.server.protocol import ApiError
+from quickdraft.server.anthropic import protocol as m
+from quickdraft.server.anthropic import translate as t
+from quickdraft.server.anthropic.streaming_events import to_events
+from quickdraft.server.errors import ApiError
+from quickdraft.server.openai import protocol as p
+from quickdraft.server.streaming import typed_sse
+from quickdraft.server.validation import parse_request
 
 NAME = "qwen"
 WEATHER = {
@@ -42,7 +46,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _request(**kw: Any) -> m.MessagesRequest:
-    return m.parse_body(m.MessagesRequest, {"model": "x", "max_tokens": 5, "messages": ASK, **kw})
+    return parse_request(m.MessagesRequest, {"model": "x", "max_tokens": 5, "messages": ASK, **kw})
 
 
 def test_request_translates_to_the_chat_request() -> None:
@@ -80,7 +84,7 @@ def test_request_translates_to_the_chat_request() -> None:
         stream=True,
         metadata={"user_id": "u"},
     )
-    chat = m.to_chat_request(req)
+    chat = t.to_chat_request(req)
     assert [msg.to_template() for msg in chat.messages] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
@@ -103,19 +107,19 @@ def test_request_translates_to_the_chat_request() -> None:
     assert chat.stop == ["\n\n"] and chat.max_tokens == 5 and chat.stream is True
     assert (chat.temperature, chat.top_k, chat.top_p) == (0, 5, None)
 
-    named = m.to_chat_request(_request(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}))
+    named = t.to_chat_request(_request(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}))
     assert isinstance(named.tool_choice, p.NamedToolChoice) and named.tool_choice.function.name == "get_weather"
-    assert m.to_chat_request(_request(tools=[WEATHER], tool_choice={"type": "none"})).tool_choice == "none"
-    assert m.to_chat_request(_request(tools=[WEATHER], tool_choice={"type": "auto"})).tool_choice == "auto"
-    plain = m.to_chat_request(_request(system="sys"))
+    assert t.to_chat_request(_request(tools=[WEATHER], tool_choice={"type": "none"})).tool_choice == "none"
+    assert t.to_chat_request(_request(tools=[WEATHER], tool_choice={"type": "auto"})).tool_choice == "auto"
+    plain = t.to_chat_request(_request(system="sys"))
     assert [msg.to_template() for msg in plain.messages] == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": ASK[0]["content"]}
     ]
     assert plain.tools is None and plain.tool_choice is None and plain.stop is None
-    assert m.to_chat_request(_request(tool_choice={"type": "auto"}, thinking={"type": "disabled"})).tool_choice is None
+    assert t.to_chat_request(_request(tool_choice={"type": "auto"}, thinking={"type": "disabled"})).tool_choice is None
     structured = {"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}
-    assert m.to_chat_request(_request(output_config=structured)).json_schema() == (True, {"type": "object"})
-    counted = m.to_chat_request(m.parse_body(m.CountTokensRequest, {"model": "x", "messages": ASK}))
+    assert t.to_chat_request(_request(output_config=structured)).json_schema() == (True, {"type": "object"})
+    counted = t.to_chat_request(parse_request(m.CountTokensRequest, {"model": "x", "messages": ASK}))
     assert counted.max_tokens is None
 
 
@@ -142,7 +146,7 @@ def test_bad_bodies_are_refused_naming_the_field(body: dict[str, Any], needle: s
     if body.get("max_tokens", 0) is None:
         del data["max_tokens"]
     with pytest.raises(ApiError, match=needle) as err:
-        m.parse_body(m.MessagesRequest, data)
+        parse_request(m.MessagesRequest, data)
     assert err.value.status == 400
 
 
@@ -166,7 +170,7 @@ def test_bad_bodies_are_refused_naming_the_field(body: dict[str, Any], needle: s
 )
 def test_untranslatable_requests_are_refused(body: dict[str, Any], needle: str) -> None:
     with pytest.raises(ApiError, match=needle) as err:
-        m.to_chat_request(_request(**body)).check_tools()
+        t.to_chat_request(_request(**body)).check_tools()
     assert err.value.status == 400
 
 
@@ -193,7 +197,7 @@ def _completion(content: str | None, calls: list[tuple[str, str]], finish: str) 
 
 
 def test_completion_translates_to_a_message() -> None:
-    msg = m.to_message(_completion("Checking.", [("get_weather", '{"city": "Paris"}')], "tool_calls"))
+    msg = t.to_message(_completion("Checking.", [("get_weather", '{"city": "Paris"}')], "tool_calls"))
     assert msg["id"] == "msg_abc" and msg["type"] == "message" and msg["role"] == "assistant"
     assert msg["content"] == [
         {"type": "text", "text": "Checking."},
@@ -204,11 +208,11 @@ def test_completion_translates_to_a_message() -> None:
     assert (usage["input_tokens"], usage["output_tokens"], usage["cache_read_input_tokens"]) == (7, 4, 3)
     anthropic.types.Message.model_validate(msg)  # the SDK's own model takes it
 
-    assert m.to_message(_completion("hi", [], "stop"))["stop_reason"] == "end_turn"
-    assert m.to_message(_completion("hi", [], "length"))["stop_reason"] == "max_tokens"
-    stopped = m.to_message(_completion("hi", [], "stop"), stop_sequence="END")
+    assert t.to_message(_completion("hi", [], "stop"))["stop_reason"] == "end_turn"
+    assert t.to_message(_completion("hi", [], "length"))["stop_reason"] == "max_tokens"
+    stopped = t.to_message(_completion("hi", [], "stop"), stop_sequence="END")
     assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "END")
-    assert m.to_message(_completion(None, [("f", "")], "tool_calls"))["content"] == [
+    assert t.to_message(_completion(None, [("f", "")], "tool_calls"))["content"] == [
         {"type": "tool_use", "id": "call_0", "name": "f", "input": {}}
     ]
 
@@ -237,7 +241,7 @@ async def _aiter(chunks: list[p.ChatCompletionChunk]) -> AsyncIterator[p.ChatCom
 
 def _events(chunks: list[p.ChatCompletionChunk], stop: str | None = None) -> list[dict[str, Any]]:
     async def run() -> list[dict[str, Any]]:
-        return [e async for e in m.to_events(_aiter(chunks), 10, lambda: stop)]
+        return [e async for e in to_events(_aiter(chunks), 10, lambda: stop)]
 
     return asyncio.run(run())
 
@@ -248,7 +252,7 @@ def _accumulate(events: list[dict[str, Any]]) -> Any:
 
     snapshot, bufs = None, {}
     for event in events:
-        wire = json.loads(m.sse(event).split("data: ", 1)[1])
+        wire = json.loads(typed_sse(event).split("data: ", 1)[1])
         snapshot = accumulate_event(event=wire, current_snapshot=snapshot, json_bufs=bufs)
     return snapshot
 
@@ -303,12 +307,13 @@ def test_error_bodies() -> None:
     assert m.error_body(429, "x")["error"]["type"] == "rate_limit_error"
     assert m.error_body(500, "x")["error"]["type"] == "api_error"
     assert m.error_body(400, "x")["error"]["type"] == "invalid_request_error"
-    assert m.sse({"type": "ping"}) == 'event: ping\ndata: {"type": "ping"}\n\n'
+    assert typed_sse({"type": "ping"}) == 'event: ping\ndata: {"type": "ping"}\n\n'
 
 
 def test_an_error_mid_stream_becomes_an_error_event() -> None:
     from quickdraft.errors import QuickdraftError
-    from quickdraft.server.app import _messages_guarded
+    from quickdraft.server.anthropic.router import failure_events
+    from quickdraft.server.streaming import guarded
 
     class FakeJob:
         cancelled = False
@@ -321,7 +326,7 @@ def test_an_error_mid_stream_becomes_an_error_event() -> None:
         raise QuickdraftError("the generation was cut short")
 
     async def run(job: Any) -> list[str]:
-        return [e async for e in _messages_guarded(job, events())]
+        return [e async for e in guarded((typed_sse(e) async for e in events()), [job], failure_events)]
 
     job = FakeJob()
     wire = asyncio.run(run(job))

@@ -19,8 +19,11 @@ import openai
 import pytest
 from live_server import Server, running, start_server
 
-from quickdraft.server import protocol as p
-from quickdraft.server import responses_api as r
+from quickdraft.server.openai import protocol as p
+from quickdraft.server.responses import protocol as r
+from quickdraft.server.responses.streaming_events import ResponseStream
+from quickdraft.server.responses.translate import to_chat_request, to_response
+from quickdraft.server.validation import parse_request
 
 slow = pytest.mark.slow  # the tests on the live server; the translator tests need no model
 
@@ -342,8 +345,8 @@ def _usage() -> p.Usage:
 
 
 def _events(chunks: list[Any], fail: Exception | None = None) -> list[dict[str, Any]]:
-    req = r.parse_request({"model": "m", "input": "hi", "tools": [WEATHER]})
-    stream = r.ResponseStream(req, "m")
+    req = parse_request(r.ResponsesRequest, {"model": "m", "input": "hi", "tools": [WEATHER]})
+    stream = ResponseStream(req, "m")
 
     async def source() -> Any:
         for c in chunks:
@@ -416,7 +419,7 @@ def test_stream_translator_error_and_empty_answer() -> None:
 
 
 def test_items_become_chat_messages() -> None:
-    req = r.parse_request({
+    req = parse_request(r.ResponsesRequest, {
         "model": "m",
         "instructions": "Be brief.",
         "input": [
@@ -434,7 +437,7 @@ def test_items_become_chat_messages() -> None:
         "tool_choice": {"type": "function", "name": "get_weather"},
         "tools": [WEATHER],
     })
-    chat = r.to_chat_request(req)
+    chat = to_chat_request(req)
     msgs = [(m.role, m.content, [c.id for c in m.tool_calls or []], m.tool_call_id)
             for m in chat.messages]
     assert msgs == [
@@ -453,7 +456,7 @@ def test_items_become_chat_messages() -> None:
 def test_whole_response_is_what_the_sdk_reads() -> None:
     from openai.types.responses import Response
 
-    req = r.parse_request({"model": "m", "input": "hi", "tools": [WEATHER], "max_output_tokens": 5})
+    req = parse_request(r.ResponsesRequest, {"model": "m", "input": "hi", "tools": [WEATHER], "max_output_tokens": 5})
     call = p.ToolCallOut(id="call_1", function=p.FunctionCallOut(name="get_weather", arguments="{}"))
     for finish, message in (
         ("length", p.ChatMessageOut(content="cut sho")),
@@ -463,7 +466,7 @@ def test_whole_response_is_what_the_sdk_reads() -> None:
             id="chatcmpl-x", created=0, model="m", usage=_usage(),
             choices=[p.ChatChoice(message=message, finish_reason=finish)],
         )
-        resp = Response.model_validate(r.to_response(req, chat))  # strict: every field checked
+        resp = Response.model_validate(to_response(req, chat))  # strict: every field checked
         if finish == "length":
             assert resp.status == "incomplete" and resp.output_text == "cut sho"
             assert resp.incomplete_details is not None
@@ -474,8 +477,9 @@ def test_whole_response_is_what_the_sdk_reads() -> None:
 
 def test_includes_that_add_nothing_are_accepted() -> None:
     """Values naming output this server never produces (reasoning, hosted tools) are no-ops."""
-    req = r.parse_request(
+    req = parse_request(
+        r.ResponsesRequest,
         {"model": "m", "input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"],
-         "text": {"verbosity": "medium"}}
+         "text": {"verbosity": "medium"}},
     )
     assert req.include == ["reasoning.encrypted_content", "file_search_call.results"]
