@@ -31,15 +31,13 @@ from starlette.routing import Route
 
 from quickdraft import __version__
 from quickdraft.server.anthropic.protocol import ANTHROPIC_ERRORS
-from quickdraft.server.anthropic.protocol import ERROR_SCHEMA as ANTHROPIC_ERROR_SCHEMA
-from quickdraft.server.anthropic.router import ERROR_SCHEMA_NAME as ANTHROPIC_ERROR_SCHEMA_NAME
 from quickdraft.server.anthropic.router import anthropic_router
 from quickdraft.server.auth import ApiKeyMiddleware
 from quickdraft.server.errors import ErrorShapes, http_error, internal_error
 from quickdraft.server.grammar import GrammarCompiler
 from quickdraft.server.metrics import ServerMetrics
 from quickdraft.server.model_server import ModelServer
-from quickdraft.server.openai.protocol import ERROR_SCHEMA, OPENAI_ERRORS
+from quickdraft.server.openai.protocol import OPENAI_ERRORS
 from quickdraft.server.openai.router import openai_router
 from quickdraft.server.openapi import document
 from quickdraft.server.responses.router import responses_router
@@ -86,8 +84,7 @@ def create_app(
     app = FastAPI(
         title="quickdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
-    error_schemas = {"ErrorResponse": ERROR_SCHEMA, ANTHROPIC_ERROR_SCHEMA_NAME: ANTHROPIC_ERROR_SCHEMA}
-    app.openapi = lambda: document(app, error_schemas)  # type: ignore[method-assign]
+    app.openapi = lambda: document(app, (OPENAI_ERRORS, ANTHROPIC_ERRORS))  # type: ignore[method-assign]
     routers = [webui_router()] if webui else []
     messages = anthropic_router(server)
     routers += [openai_router(server), messages, responses_router(server, ResponseStore())]

@@ -83,7 +83,11 @@ def as_api_error(request: Request, exc: Exception) -> ApiError:
 
 
 class ErrorShape(ABC):
-    """How one API dialect writes an error."""
+    """How one API dialect writes an error; ``component`` and ``schema``: its error object in the
+    OpenAPI document."""
+
+    component: ClassVar[str]
+    schema: ClassVar[dict[str, Any]]
 
     @abstractmethod
     def body(self, error: ApiError) -> dict[str, Any]:

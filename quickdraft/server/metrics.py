@@ -22,7 +22,10 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600
 
 
 class ServerMetrics:
+    """The server's metrics in a registry of their own; ``prefix``: the prefix cache to report."""
+
     def __init__(self, prefix: PrefixCache | None = None) -> None:
+        """One declaration per metric, in a flat list (longer than 60 lines, and simplest so)."""
         r = self.registry = CollectorRegistry()
         p = "quickdraft_"
         self.ttft = Histogram(

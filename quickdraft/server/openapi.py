@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from quickdraft.server.errors import ErrorShape
+
 
 def body_doc(
     model: type[BaseModel],
-    error_schema: str = "ErrorResponse",
+    shape: ErrorShape,
     answer: str = "the completion, or with stream: true a text/event-stream of chunks",
 ) -> dict[str, Any]:
     """``openapi_extra`` of a route that reads its body itself: the body's schema (the pydantic
-    model it is validated with) and the error answers (``error_schema``: the component of the
-    dialect's error object)."""
+    model it is validated with) and the error answers, in the dialect's error ``shape``."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    error = {"$ref": f"#/components/schemas/{error_schema}"}
+    error = {"$ref": f"#/components/schemas/{shape.component}"}
     errors = {
         str(code): {"description": what, "content": {"application/json": {"schema": error}}}
         for code, what in (
@@ -45,9 +47,9 @@ def body_doc(
     }
 
 
-def document(app: FastAPI, error_schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def document(app: FastAPI, shapes: Sequence[ErrorShape]) -> dict[str, Any]:
     """FastAPI's document with the request bodies' schemas moved into components, and the
-    dialects' error objects (``error_schemas``: component name -> schema) added."""
+    error objects of the dialects' error ``shapes`` added."""
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -61,6 +63,6 @@ def document(app: FastAPI, error_schemas: dict[str, dict[str, Any]]) -> dict[str
             components.update(defs)
             name = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
             components[name] = schema
-    components.update(error_schemas)
+    components.update({shape.component: shape.schema for shape in shapes})
     app.openapi_schema = doc
     return doc

@@ -203,6 +203,9 @@ ERROR_SCHEMA: dict[str, Any] = {
 class AnthropicErrors(ErrorShape):
     """Errors as Anthropic writes them: ``{"type": "error", "error": {"type", "message"}}``."""
 
+    component = "AnthropicErrorResponse"
+    schema = ERROR_SCHEMA
+
     def body(self, error: ApiError) -> dict[str, Any]:
         return error_body(error.status, error.message)
 

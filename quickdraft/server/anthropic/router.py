@@ -24,8 +24,6 @@ from quickdraft.server.streaming import StreamFailure, event_stream, guarded, ty
 from quickdraft.server.validation import parse_request
 from quickdraft.server.worker import Job
 
-ERROR_SCHEMA_NAME = "AnthropicErrorResponse"  # its error object's component in the OpenAPI document
-
 
 class AnthropicRoute(DialectRoute):
     """A route answering its errors as Anthropic's error object."""
@@ -43,7 +41,7 @@ def anthropic_router(server: ModelServer) -> APIRouter:
     """The Messages API's routes over ``server``."""
     router = APIRouter(prefix="/v1/messages", route_class=AnthropicRoute)
 
-    @router.post("", openapi_extra=body_doc(m.MessagesRequest, ERROR_SCHEMA_NAME))
+    @router.post("", openapi_extra=body_doc(m.MessagesRequest, m.ANTHROPIC_ERRORS))
     async def messages(request: Request) -> Response:
         body = parse_request(m.MessagesRequest, await read_json(request))
         req = to_chat_request(body)
@@ -65,7 +63,7 @@ def anthropic_router(server: ModelServer) -> APIRouter:
 
     @router.post(
         "/count_tokens",
-        openapi_extra=body_doc(m.CountTokensRequest, ERROR_SCHEMA_NAME, answer="{input_tokens: N}"),
+        openapi_extra=body_doc(m.CountTokensRequest, m.ANTHROPIC_ERRORS, answer="{input_tokens: N}"),
     )
     async def count_tokens(request: Request) -> Response:
         body = parse_request(m.CountTokensRequest, await read_json(request))

@@ -32,15 +32,6 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class OpenAIErrors(ErrorShape):
-    """Errors as OpenAI writes them: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def body(self, error: ApiError) -> dict[str, Any]:
-        return error_body(error.message, error.kind, error.param, error.code)
-
-
-OPENAI_ERRORS = OpenAIErrors()
-
 ERROR_SCHEMA: dict[str, Any] = {  # OpenAPI's schema of error_body
     "type": "object",
     "required": ["error"],
@@ -57,6 +48,19 @@ ERROR_SCHEMA: dict[str, Any] = {  # OpenAPI's schema of error_body
         }
     },
 }
+
+
+class OpenAIErrors(ErrorShape):
+    """Errors as OpenAI writes them: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    component = "ErrorResponse"
+    schema = ERROR_SCHEMA
+
+    def body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error.message, error.kind, error.param, error.code)
+
+
+OPENAI_ERRORS = OpenAIErrors()
 
 
 # ------------------------------------------------------------------------------------ requests

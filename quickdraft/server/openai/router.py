@@ -54,7 +54,7 @@ def openai_router(server: ModelServer) -> APIRouter:
         server.check_model(model)
         return _card(server, model).model_dump()
 
-    @router.post("/v1/chat/completions", openapi_extra=body_doc(p.ChatCompletionRequest))
+    @router.post("/v1/chat/completions", openapi_extra=body_doc(p.ChatCompletionRequest, p.OPENAI_ERRORS))
     async def chat(request: Request) -> Response:
         req = parse_request(p.ChatCompletionRequest, await read_json(request))
         server.check_model(req.model)
@@ -65,7 +65,7 @@ def openai_router(server: ModelServer) -> APIRouter:
         outputs = await collect(request, jobs)
         return JSONResponse(chat_response(server, outputs, choices).model_dump())
 
-    @router.post("/v1/completions", openapi_extra=body_doc(p.CompletionRequest))
+    @router.post("/v1/completions", openapi_extra=body_doc(p.CompletionRequest, p.OPENAI_ERRORS))
     async def completions(request: Request) -> Response:
         req = parse_request(p.CompletionRequest, await read_json(request))
         server.check_model(req.model)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from quickdraft.server.body import read_json
 from quickdraft.server.model_server import ModelServer
 from quickdraft.server.openai.prepare import prepare_chat
+from quickdraft.server.openai.protocol import OPENAI_ERRORS
 from quickdraft.server.openai.router import OpenAIRoute
 from quickdraft.server.openai.serving import chat_chunks, chat_response, collect, submit
 from quickdraft.server.openapi import body_doc
@@ -29,7 +30,7 @@ def responses_router(server: ModelServer, store: ResponseStore) -> APIRouter:
     """The Responses API's routes over ``server``, keeping finished responses in ``store``."""
     router = APIRouter(prefix="/v1/responses", route_class=OpenAIRoute)
 
-    @router.post("", openapi_extra=body_doc(ResponsesRequest))
+    @router.post("", openapi_extra=body_doc(ResponsesRequest, OPENAI_ERRORS))
     async def responses(request: Request) -> Response:
         req = parse_request(ResponsesRequest, await read_json(request))
         server.check_model(req.model)
