@@ -125,10 +125,12 @@ def _add_fallback_errors(app: FastAPI, shapes: ErrorShapes, routes: str) -> None
 
 
 def _route_list(app: FastAPI, routers: list[APIRouter]) -> str:
-    """Every HTTP route the app serves as "METHOD /path", in the order they were added."""
+    """Every HTTP route the app serves as "METHOD /path", in the order they were added. The
+    routers' routes are listed from the routers: FastAPI keeps an included router whole in
+    ``app.routes`` (older versions copied its routes there: listed once all the same)."""
     routes = [*app.routes, *(route for router in routers for route in router.routes)]
     listed = []
     for route in routes:
-        if isinstance(route, Route) and route.methods:  # app.routes also holds the routers
+        if isinstance(route, Route) and route.methods:
             listed += [f"{m} {route.path}" for m in sorted(route.methods) if m != "HEAD"]
-    return ", ".join(listed)
+    return ", ".join(dict.fromkeys(listed))
