@@ -56,17 +56,20 @@ def add_engine_flags(
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
+    """The sampling flags, defaulting to :class:`SamplingParams`' own defaults (``max_tokens``: the
+    command's)."""
+    d = SamplingParams()
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help=f"tokens to generate at most (default: {max_tokens})")
-    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--temperature", "-t", type=float, default=d.temperature, help=f"0 = greedy (default: {d.temperature:g})")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="1 = off")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=list(d.stop), help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
 
 
