@@ -57,6 +57,9 @@ def option(default: T, flag: Flag | None = None) -> T:
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """How a target is loaded, which drafter runs and how the engine generates. A field with a
+    :class:`Flag` is a flag of every command that adds it (``quickdraft.cli.common.add_engine_flags``)."""
+
     # --- the drafter (quickdraft.assemble.drafters.build_drafter)
     draft: str = option("auto", Flag(
         "how to draft: auto (picks per step what pays; the model's own MTP layer where it has one), none, "
