@@ -1,4 +1,4 @@
-"""quickdraft: fast, lossless single-user LLM inference with speculative decoding."""
+"""quickdraft: fast, lossless LLM inference with speculative decoding, built for speed per user."""
 
 from __future__ import annotations
 

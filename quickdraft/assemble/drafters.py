@@ -35,7 +35,7 @@ from quickdraft.speculative.draft_model import (
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, cost_rows, default_shape
 from quickdraft.speculative.eagle3.io import is_head, load_head, with_convention
 from quickdraft.speculative.gemma4_assistant import assistant_folder, build_assistant_drafter
-from quickdraft.speculative.mtp import MTPDrafter, mtp_head
+from quickdraft.speculative.mtp import MTPDrafter, MTPHead, mtp_head
 from quickdraft.speculative.policy import (
     Acceptance,
     AutoDrafter,
@@ -107,12 +107,13 @@ def build_drafter(
     return AutoDrafter(candidates, cost, fixed_k=cfg.num_draft), cfg.num_draft or max_k
 
 
-def _base_drafters(
-    cfg: EngineOptions, target: LoadedModel, say: Callable[[str], None]
-) -> list[tuple[Drafter, float, float, TargetCost | None]]:
-    """(drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or
-    None) for each drafter in play."""
-    out: list[tuple[Drafter, float, float, TargetCost | None]] = []
+# (drafter, acceptance prior, seconds per drafted token, its model's pass seconds by rows or None)
+BaseDrafter = tuple[Drafter, float, float, TargetCost | None]
+
+
+def _base_drafters(cfg: EngineOptions, target: LoadedModel, say: Callable[[str], None]) -> list[BaseDrafter]:
+    """Each drafter in play, as a :data:`BaseDrafter`."""
+    lookup: BaseDrafter = (SuffixDrafter(), NGRAM_PRIOR, 0.0, None)
     mtp = mtp_head(target.model) if cfg.draft in ("auto", MTP) else None
     if cfg.draft == MTP and mtp is None:
         raise QuickdraftError(
@@ -120,61 +121,68 @@ def _base_drafters(
             "run; use --draft auto, ngram or a draft model"
         )
     if mtp is not None:  # the model's own drafter, trained with it: beside n-gram lookup in auto
-        if cfg.draft == "auto":
-            out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
-        shape = default_shape(target.model.device)
-        if cfg.num_draft is not None:
-            shape = dataclasses.replace(shape, max_nodes=cfg.num_draft, max_depth=min(shape.max_depth, cfg.num_draft))
-        vocab = restrict_draft_vocab(target, cfg.draft_vocab)  # its output head cut as a draft model's
-        cut = vocab is not None and mtp.cut_vocab(vocab.base)
-        say("drafting with the checkpoint's multi-token-prediction layer (mtp"
-            + (f", output head cut to {mtp.config.draft_vocab_size} tokens)" if cut else ")"))
-        out.append((MTPDrafter(mtp, target.model, shape=shape, policy=cfg.num_draft is None), EAGLE_PRIOR, 0.0, None))
-        return out
+        return ([lookup] if cfg.draft == "auto" else []) + [(_mtp_drafter(cfg, target, mtp, say), EAGLE_PRIOR, 0.0, None)]
     assistant = assistant_folder(cfg.draft) if cfg.draft not in ("auto", "none", "ngram", MTP) else None
     if assistant is not None:  # Gemma 4's assistant: beside n-gram lookup, as an EAGLE-3 head
-        out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
-        out.append((build_assistant_drafter(assistant, target.model, cfg.num_draft, say), EAGLE_PRIOR, 0.0, None))
-        return out
+        return [lookup, (build_assistant_drafter(assistant, target.model, cfg.num_draft, say), EAGLE_PRIOR, 0.0, None)]
+    out: list[BaseDrafter] = []
     head = eagle3_head_path(cfg.draft)
     if cfg.draft in ("auto", "ngram") or head is not None:
-        out.append((SuffixDrafter(), NGRAM_PRIOR, 0.0, None))
+        out.append(lookup)
     if head is not None:
         eagle = build_eagle3_drafter(head, target, cfg.num_draft, say, canary=cfg.canary, standalone=False)
         if eagle is not None:
-            out.append((eagle, EAGLE_PRIOR, 0.0, None))
-            return out
+            return [*out, (eagle, EAGLE_PRIOR, 0.0, None)]
         spec = _default_draft(target)  # the head failed its canary: n-gram and the zoo's draft model
     elif cfg.draft == "ngram":
         return out  # n-gram lookup alone
     else:
         spec = cfg.draft if cfg.draft != "auto" else _default_draft(target)
     if spec is not None:
-        say(f"loading draft model {spec} ...")
-        draft = load_model(spec, dtype=cfg.dtype, device=str(target.model.device), max_context=target.model.max_len,
-                           kv_dtype=cfg.kv_dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer)
-        vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
-        if vocab is not None:
-            vocab.apply(draft.model, torch.empty(0, dtype=torch.long))  # cut before timing a step
-        # one token through it now: its weights are repacked for the kernels at the first pass,
-        # which must not land in the first request's time to first token (nor in a kept cost)
-        draft.model(torch.zeros(1, dtype=torch.long, device=draft.model.device), draft.model.make_cache(1))
-        rows = tuple(r for r in (1, 2, 4, 8, 16) if r <= MAX_CATCH_UP)  # the catch-ups it may run
-        curve = pass_cost_model(draft, rows, say, variant=f"draft-vocab={cfg.draft_vocab}")
-        per_token = curve(1)
-        # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
-        # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
-        # cost model then rarely lets the draft model start at all.
-        # Under the cost model (k auto) it reads at most the last max(PREFILL_WINDOW, rest / 4) tokens
-        # of a long prompt: reading all of it would add ~30% to the first token's time.
-        window = PREFILL_WINDOW if cfg.num_draft is None else None
-        drafter = DraftModelDrafter(
-            draft.model, target.config.vocab_size, eager=True, vocab=vocab, stop_below=cfg.draft_confidence,
-            prefill_window=window,
-        )
-        out.append((drafter, DRAFT_PRIOR, per_token, curve))
+        out.append(_draft_model_drafter(cfg, target, spec, say))
     return out
+
+
+def _mtp_drafter(cfg: EngineOptions, target: LoadedModel, mtp: MTPHead, say: Callable[[str], None]) -> MTPDrafter:
+    """The checkpoint's multi-token-prediction layer, its tree shaped by --num-draft and its output
+    head cut as a draft model's."""
+    shape = default_shape(target.model.device)
+    if cfg.num_draft is not None:
+        shape = dataclasses.replace(shape, max_nodes=cfg.num_draft, max_depth=min(shape.max_depth, cfg.num_draft))
+    vocab = restrict_draft_vocab(target, cfg.draft_vocab)  # its output head cut as a draft model's
+    cut = vocab is not None and mtp.cut_vocab(vocab.base)
+    say("drafting with the checkpoint's multi-token-prediction layer (mtp"
+        + (f", output head cut to {mtp.config.draft_vocab_size} tokens)" if cut else ")"))
+    return MTPDrafter(mtp, target.model, shape=shape, policy=cfg.num_draft is None)
+
+
+def _draft_model_drafter(cfg: EngineOptions, target: LoadedModel, spec: str, say: Callable[[str], None]) -> BaseDrafter:
+    """Load the draft model ``spec`` beside the target, cut its vocabulary, warm it and measure
+    its pass costs."""
+    say(f"loading draft model {spec} ...")
+    draft = load_model(spec, dtype=cfg.dtype, device=str(target.model.device), max_context=target.model.max_len,
+                       kv_dtype=cfg.kv_dtype)
+    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    vocab = restrict_draft_vocab(draft, cfg.draft_vocab)
+    if vocab is not None:
+        vocab.apply(draft.model, torch.empty(0, dtype=torch.long))  # cut before timing a step
+    # one token through it now: its weights are repacked for the kernels at the first pass,
+    # which must not land in the first request's time to first token (nor in a kept cost)
+    draft.model(torch.zeros(1, dtype=torch.long, device=draft.model.device), draft.model.make_cache(1))
+    rows = tuple(r for r in (1, 2, 4, 8, 16) if r <= MAX_CATCH_UP)  # the catch-ups it may run
+    curve = pass_cost_model(draft, rows, say, variant=f"draft-vocab={cfg.draft_vocab}")
+    per_token = curve(1)
+    # It reads the prompt at prefill (a longer first token), also in an auto mix: read at its
+    # first use instead, a few-hundred-token prompt costs ~20 tokens' time mid-answer, and the
+    # cost model then rarely lets the draft model start at all.
+    # Under the cost model (k auto) it reads at most the last max(PREFILL_WINDOW, rest / 4) tokens
+    # of a long prompt: reading all of it would add ~30% to the first token's time.
+    window = PREFILL_WINDOW if cfg.num_draft is None else None
+    drafter = DraftModelDrafter(
+        draft.model, target.config.vocab_size, eager=True, vocab=vocab, stop_below=cfg.draft_confidence,
+        prefill_window=window,
+    )
+    return drafter, DRAFT_PRIOR, per_token, curve
 
 
 def _default_draft(target: LoadedModel) -> str | None:

@@ -16,13 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from quickdraft.cli.common import DEFAULT_MODEL, add_device_args, info
-from quickdraft.config import (
-    DEFAULT_DRAFT_CONFIDENCE,
-    DEFAULT_DRAFT_VOCAB,
-    DTYPE_CHOICES,
-    KV_DTYPE_CHOICES,
-)
+from quickdraft.cli.common import DEFAULT_MODEL, add_engine_flags, info
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_METHODS = "none,ngram,auto"
@@ -35,7 +29,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("what to measure")
+    _add_measure_args(p)
+    _add_endpoint_args(p)
+    _add_prompt_args(p)
+    _add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_measure_args(p: argparse.ArgumentParser) -> None:
+    """The target, the methods and the engine options they run with."""
+    g = p.add_argument_group(
+        "what to measure",
+        "engine options apply to the in-process methods as to generate; their prefix cache lets turn n\n"
+        "of a conversation reuse what turn n - 1 computed, and every conversation starts cold",
+    )
     g.add_argument(
         "--model",
         "-m",
@@ -53,51 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="draft model for the 'draft' method (default: the zoo's pair)",
     )
-    g.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        metavar="N",
-        help="a draft model's logits cover its N most frequent tokens + the first N ids + the prompt's + special tokens "
-        f"(0 = the whole vocabulary; default {DEFAULT_DRAFT_VOCAB})",
-    )
-    g.add_argument(
-        "--draft-confidence",
-        type=float,
-        default=None,
-        metavar="P",
-        help="a draft model ends its proposal after a token it gives probability below P "
-        f"(0 = always draft k; default {DEFAULT_DRAFT_CONFIDENCE})",
-    )
-    g.add_argument(
-        "--num-draft",
-        "-k",
-        default="auto",
-        help="tokens drafted per step: a number or auto (default)",
-    )
-    choices = DTYPE_CHOICES
-    g.add_argument(
-        "--dtype",
-        default=choices[0],
-        choices=choices,
-        help=f"compute dtype, as for generate (default: {choices[0]})",
-    )
-    g.add_argument(
-        "--max-context", type=int, default=None, help="KV cache length (default: min(model, 8192))"
-    )
-    g.add_argument(
-        "--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
-        help="KV cache element type, as for generate (default: auto = float16 on the CPU kernels' path)",
-    )
-    g.add_argument(
-        "--threads", type=int, default=None, help="compute threads (default: physical cores)"
-    )
-    g.add_argument(
-        "--prefix-cache-mb", type=int, default=None, metavar="MB",
-        help="prefix cache of the in-process methods: turn n of a conversation reuses what turn n - 1 "
-        "computed; every conversation starts cold (0 = off; default: as for generate)",
-    )
-    add_device_args(g)
+    add_engine_flags(g, ("draft_vocab", "draft_confidence", "num_draft", "dtype", "max_context", "kv_dtype",
+                         "threads", "prefix_cache_mb", "device", "cuda_graphs"))
     g.add_argument(
         "--simulate-acceptance",
         type=float,
@@ -106,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="add a drafter that is right often enough to average TAU tokens per pass "
         "(pure overhead at that tau; greedy only; runs after 'none' on each prompt)",
     )
+
+
+def _add_endpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoint (any OpenAI-compatible streaming server)")
     g.add_argument(
         "--endpoint",
@@ -135,6 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with 'quickdraft serve --max-concurrency N'): per-user tok/s, TTFT, end-to-end, aggregate tok/s and "
         "answers identical to alone (default: 1, the paired one-user benchmark)",
     )
+
+
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts and sampling")
     g.add_argument(
         "--dataset",
@@ -153,6 +123,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="base seed; prompt i uses seed + i (default: 0)"
     )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument(
         "--out",
@@ -162,7 +135,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request per method")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,22 +1,14 @@
-"""Options shared by the subcommands that load a model and generate."""
+"""What the subcommands that load a model and generate share: their flags (the engine's built from
+quickdraft.options, so each default and help text is written once), loading, progress lines."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from quickdraft.config import (
-    CUDA_GRAPH_MODES,
-    DEFAULT_DRAFT_CONFIDENCE,
-    DEFAULT_DRAFT_VOCAB,
-    DEFAULT_MAX_CONCURRENCY,
-    DEFAULT_PREFIX_CACHE_MB,
-    DEVICES,
-    DTYPE_CHOICES,
-    KV_DTYPE_CHOICES,
-)
+from quickdraft.options import EngineOptions, cli_options
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,66 +18,58 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 
 
+ENGINE_MODEL_FLAGS = ("dtype", "max_context", "kv_dtype", "threads", "prefix_cache_mb", "device", "cuda_graphs",
+                      "tensor_parallel")
+ENGINE_DRAFT_FLAGS = ("draft", "num_draft", "draft_vocab", "draft_confidence")
+_UNSET = object()
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model and every engine option, as generate, chat, selftest and serve take them."""
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help="zoo name (quickdraft models list), .gguf file, Hugging Face folder or hub id "
                         f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto (default): GGUF weights stay in their quantized blocks, computed by the CPU "
-                        "kernels (bfloat16 where they cannot build); float32 is the exact reference mode")
-    g.add_argument("--max-context", type=int, default=None, help="KV cache length in tokens (default: min(model, 8192))")
-    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
-                   help="KV cache element type: auto (default) = float16 where the CPU kernels run the model "
-                        "(half of float32's memory and bandwidth; lossless speculation either way), else the "
-                        "activation dtype; float32 with --dtype float32 is the exact reference mode; q8_0 "
-                        "(CPU kernels' path) stores 8-bit blocks, ~half of float16's, for long contexts")
-    g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
-    g.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
-                   help="host memory for earlier sequences' keys/values and drafter state: a request that "
-                        "begins like an earlier one (a conversation's history, a shared system prompt) "
-                        f"computes only the rest (0 = off; default: {DEFAULT_PREFIX_CACHE_MB}, at most a "
-                        "quarter of the memory)")
-    add_device_args(g)
-    g.add_argument("--tensor-parallel", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N processes (gloo on CPU, NCCL on GPUs); under torchrun "
-                        "use the same N as --nproc-per-node (default: 1)")
-    g = p.add_argument_group("speculative decoding (lossless)")
-    g.add_argument("--draft", "-d", default="auto",
-                   help="auto (default: picks per step what pays; the model's own MTP layer where it has one), "
-                        "none, ngram, mtp (the checkpoint's multi-token-prediction layer, e.g. Qwen3.5's), a draft "
-                        "model sharing the target's tokenizer (zoo name, .gguf, folder), or an EAGLE-3 head trained for "
-                        "the target (folder or .safetensors; drafts trees sized per step, alongside n-gram)")
-    g.add_argument("--num-draft", "-k", default="auto", help="tokens drafted per step: a number, or auto (default)")
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="a draft model computes logits only for its N most frequent tokens, the first N ids, the prompt's "
-                        "tokens and the special tokens: cheaper draft tokens, a few fewer accepted, output "
-                        f"unchanged (0 = the whole vocabulary; default: {DEFAULT_DRAFT_VOCAB})")
-    g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
-                   help="a draft model ends its proposal after a token it gives probability below P: fewer "
-                        f"wasted draft passes, output unchanged (0 = always draft k; default: {DEFAULT_DRAFT_CONFIDENCE})")
+    add_engine_flags(g, ENGINE_MODEL_FLAGS)
+    add_engine_flags(p.add_argument_group("speculative decoding (lossless)"), ENGINE_DRAFT_FLAGS)
 
 
-def add_device_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICES) + "}",
-                   help="where the model runs: cpu, cuda (or cuda:N), or auto = cuda when there is one (default)")
-    g.add_argument("--cuda-graphs", default="auto", choices=CUDA_GRAPH_MODES,
-                   help="replay decode and verify passes as CUDA graphs (auto: on CUDA where the model's "
-                        "layers allow it; default)")
+def add_engine_flags(
+    g: argparse._ArgumentGroup, names: Sequence[str], defaults: Mapping[str, object] | None = None
+) -> None:
+    """Add the flags of these :class:`~quickdraft.options.EngineOptions` fields to ``g``, each as
+    options.py defines it (name, alias, type, choices, default, help). ``defaults``: a command's
+    own default for a field, where it differs from the engine's (None = auto for count options)."""
+    specs = cli_options()
+    for name in names:
+        spec = specs[name]
+        own = (defaults or {}).get(name, _UNSET)
+        value = spec.default if own is _UNSET else own
+        shown = spec.flag.default_text if value is None and spec.flag.default_text else value
+        if spec.flag.count and value is None:
+            value = shown = "auto"
+        text = spec.flag.help  # "... (0 = off)" -> "... (0 = off; default: X)"
+        text = f"{text[:-1]}; default: {shown})" if text.endswith(")") else f"{text} (default: {shown})"
+        flags = [spec.flag_name] + ([spec.flag.short] if spec.flag.short else [])
+        g.add_argument(*flags, type=spec.value_type, default=value, choices=spec.flag.choices,
+                       metavar=spec.flag.metavar, help=text.replace("%", "%%"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
+    """The sampling flags, defaulting to :class:`SamplingParams`' own defaults (``max_tokens``: the
+    command's)."""
+    d = SamplingParams()
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help=f"tokens to generate at most (default: {max_tokens})")
-    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--temperature", "-t", type=float, default=d.temperature, help=f"0 = greedy (default: {d.temperature:g})")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="1 = off")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=list(d.stop), help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
 
 
@@ -100,8 +84,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     from quickdraft.api import LLM
-    from quickdraft.options import EngineOptions
-
     options = EngineOptions.from_args(args)
     say(f"loading {args.model} ...")
     llm = LLM(args.model, options, log=say)
@@ -111,13 +93,6 @@ def load_llm(args: argparse.Namespace, say: Callable[[str], None]) -> LLM:
     for note in llm.target.model.load_notes:
         say(note)
     return llm
-
-
-def add_concurrency_arg(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--max-concurrency", default="auto", metavar="N",
-                   help="requests generated at once, in shared passes (continuous batching; each answer is "
-                        "bitwise what it is alone); more wait in a FIFO queue (auto, the default: up to "
-                        f"{DEFAULT_MAX_CONCURRENCY}, as many as the KV memory of a context each fits in a quarter of the memory)")
 
 
 def info(msg: str) -> None:

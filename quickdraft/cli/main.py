@@ -21,7 +21,7 @@ SUBCOMMANDS = ("generate", "chat", "models", "selftest", "bench", "serve", "trai
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quickdraft",
-        description="Fast, lossless single-user LLM inference with speculative decoding.",
+        description="Fast, lossless LLM inference with speculative decoding, built for speed per user.",
     )
     parser.add_argument("--version", action="version", version=f"quickdraft {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

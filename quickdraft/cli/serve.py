@@ -15,7 +15,7 @@ import os
 import socket
 from types import FrameType
 
-from quickdraft.cli.common import add_concurrency_arg, add_model_args, info, load_llm
+from quickdraft.cli.common import add_engine_flags, add_model_args, info, load_llm
 from quickdraft.errors import QuickdraftError
 
 
@@ -60,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="do not serve the chat page at / (the API is the same either way)",
     )
-    add_concurrency_arg(g)
+    # the engine runs one sequence unless asked (LLM.generate, the one-user commands); a server
+    # is where requests arrive at once, so it takes as many as the memory allows
+    add_engine_flags(g, ("max_concurrency",), defaults={"max_concurrency": None})
     g.add_argument(
         "--log-level",
         default="warning",

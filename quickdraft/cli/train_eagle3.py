@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quickdraft.cli.common import info
+from quickdraft.cli.common import add_engine_flags, info
 from quickdraft.config import DEVICES, DTYPE_CHOICES
 from quickdraft.errors import QuickdraftError
 from quickdraft.train.data import SOURCES
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the target's capture, the head, the batches and the optimizer run: cpu, cuda "
                         "(or cuda:N), or auto = cuda when available, else cpu (default: auto); a run may be "
                         "resumed on another device")
-    g.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    add_engine_flags(g, ("threads",))
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib,sharegpt,alpaca",
