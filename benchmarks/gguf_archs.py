@@ -645,18 +645,31 @@ def print_draft_cost(name: str, cost: dict[str, Any]) -> None:
           + ", ".join(f"chain {k} {x:.2f}x" for k, x in cost["projected"].items()))
 
 
-def peak_memory(loaded: Any, path: Path) -> dict[str, float]:
-    """This process's peak resident memory (``ru_maxrss``: loading included) against the file plus the KV cache
-    an engine of the loaded model allocates (recurrent states are not counted in ``kv``: for hybrids the ratio
-    is an upper bound)."""
-    import resource
-
-    from quickdraft.engine import Engine
-
-    kv = Engine(loaded.model, loaded.tokenizer).kv_bytes
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    file = path.stat().st_size
-    return {"peak_rss": rss, "file": file, "kv": kv, "ratio": rss / (file + kv)}
+def peak_memory(path: Path, prefill: int, tokens: int) -> dict[str, float]:
+    """quickdraft's resident memory in a process of its own (this one wrote the file: its peak counts that):
+    loading ``path``, then a plain decode of ``tokens`` tokens and a ``prefill``-token prefill; against the file
+    plus the KV cache an engine of the model allocates (recurrent states are not counted in ``kv``: for hybrids
+    the ratio is an upper bound)."""
+    code = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+import gguf_archs as ga
+from quickdraft.engine import Engine
+from quickdraft.loading.load import load_model
+loaded = load_model(sys.argv[2], max_context=max(512, int(sys.argv[3]) + 64))
+after_load = int(open("/proc/self/statm").read().split()[1]) * 4096
+ga.quickdraft_decode(loaded, int(sys.argv[4]), "none", repetitive=False)
+if int(sys.argv[3]):
+    ga.quickdraft_prefill(loaded, int(sys.argv[3]))
+print(json.dumps({"after_load": after_load, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "kv": Engine(loaded.model, loaded.tokenizer).kv_bytes}))
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(path), str(prefill), str(tokens)],
+                         capture_output=True, text=True, check=True)
+    memory = json.loads(out.stdout.strip().splitlines()[-1])
+    memory["file"] = path.stat().st_size
+    memory["ratio"] = memory["peak_rss"] / (memory["file"] + memory["kv"])
+    return memory
 
 
 def llama_bench(binary: Path, path: Path, threads: int, decode: int = 0, prompt: int = 0) -> float | None:
@@ -761,7 +774,7 @@ def main() -> None:
     kernels = load_kernels()
     probe = kernels.read_bandwidth(1 << 30, args.threads, 3) if kernels is not None else float("nan")
     step_bytes = active_bytes(path, shape)
-    memory = peak_memory(loaded, path)
+    memory = peak_memory(path, args.prefill, args.tokens)
     bandwidth = {k: step_bytes * med[k] / 1e9 for k in ("quickdraft", *opponents)}
     mtp = assistant = None
     if args.mtp:  # the engine's --draft mtp drafter (its output head cut to --draft-vocab tokens), chains
@@ -790,7 +803,8 @@ def main() -> None:
             print(f"  prefill, quickdraft / {name}: {med['quickdraft prefill'] / med[f'{name} prefill']:.2f}x")
     print(f"  a decode step reads {step_bytes / 2**20:.0f} MiB: " + ", ".join(
         f"{k} {v:.1f} GB/s ({v / probe:.0%} of the {probe:.1f} GB/s read probe)" for k, v in bandwidth.items()))
-    print(f"  memory: peak RSS {memory['peak_rss'] / 2**30:.2f} GiB = {memory['ratio']:.2f}x the file "
+    print(f"  memory (a quickdraft process of its own): {memory['after_load'] / 2**30:.2f} GiB loaded, peak "
+          f"{memory['peak_rss'] / 2**30:.2f} GiB = {memory['ratio']:.2f}x the file "
           f"({memory['file'] / 2**30:.2f} GiB) + the engine's KV cache ({memory['kv'] / 2**30:.2f} GiB)")
     print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
     if mtp is not None:
