@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import bench_script
 from live_server import Server, running, start_server
-from test_bench import _bench_script
 
 pytestmark = pytest.mark.slow
 
 NAME = "qwen-coder"
 # The tools, system prompt and task of benchmarks/agent_loop.py: what is tested is what is timed.
-AGENT = _bench_script("agent_loop")
+AGENT = bench_script("agent_loop")
 TOOLS: list[dict[str, Any]] = AGENT.TOOLS
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Use the tools when they help."}
 ASK = [SYSTEM, {"role": "user", "content": "What is 1234 * 5678? Use the calculator."}]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import bench_script
 
 from quickdraft import zoo
 from quickdraft.bench import datasets, runner
@@ -594,24 +595,8 @@ def test_cost_model_decisions_pool_the_requests() -> None:
 # benchmarks/vs_llamacpp.py and its llama.cpp worker: protocol, worker loop, tables (no llama_cpp)
 
 
-def _bench_script(name: str) -> Any:
-    """Import benchmarks/<name>.py (not a package) as a module."""
-    import importlib.util
-    import sys
-
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_vs_llamacpp_protocol_lines() -> None:
-    vs = _bench_script("vs_llamacpp")
+    vs = bench_script("vs_llamacpp")
     line = vs.encode_request("generate", prompt=[1, 2], max_tokens=4, stop_ids=[])
     assert line.endswith("\n") and json.loads(line) == {
         "cmd": "generate",
@@ -662,7 +647,7 @@ class _FakeLlamaEngine:
 def test_vs_llamacpp_worker_loop_with_a_fake_engine() -> None:
     import io
 
-    worker = _bench_script("_llamacpp_worker")
+    worker = bench_script("_llamacpp_worker")
     requests = [
         {"cmd": "generate", "prompt": [1], "max_tokens": 2, "stop_ids": []},  # before load
         {"cmd": "load", "model": "missing.gguf", "n_ctx": 64, "n_threads": 2, "n_batch": 32},
@@ -708,7 +693,7 @@ def test_vs_llamacpp_worker_loop_with_a_fake_engine() -> None:
 
 
 def test_vs_llamacpp_missing_environment_says_how_to_create_it(tmp_path: Path) -> None:
-    vs = _bench_script("vs_llamacpp")
+    vs = bench_script("vs_llamacpp")
     venv = tmp_path / "llamacpp-venv"
     with pytest.raises(QuickdraftError) as info:
         vs.llamacpp_python(venv)
@@ -732,7 +717,7 @@ def test_vs_llamacpp_missing_environment_says_how_to_create_it(tmp_path: Path) -
 
 
 def test_vs_llamacpp_pass_table_and_decode_summary() -> None:
-    vs = _bench_script("vs_llamacpp")
+    vs = bench_script("vs_llamacpp")
     seconds = {
         "llama.cpp": {1: [0.06, 0.05, 0.07], 4: [0.2, 0.1, 0.3]},
         "quickdraft": {1: [0.03, 0.04, 0.05], 4: [0.05, 0.07, 0.06]},

@@ -23,11 +23,11 @@ import instructor
 import openai
 import pydantic
 import pytest
+from helpers import Place, Trip  # the nested models (pydantic writes $defs for Place)
 from live_server import Server, running, start_server
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
-from test_schemas_server import Place, Trip  # the nested models (pydantic writes $defs for Place)
 
 pytestmark = pytest.mark.slow
 

@@ -11,14 +11,22 @@ and keys/values of a pass over several sequences bitwise equal to each sequence'
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_spec import GGUF_LINEARS, ConstDrafter
-from test_tree import RandomTree
+from helpers import (
+    GGUF_LINEARS,
+    TEXTS,
+    Request,
+    alone,
+    check_together_equals_alone,
+    request_drafter,
+    requests,
+    run_to_end,
+    together,
+)
 from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.cache import KVPool
@@ -33,25 +41,11 @@ from quickdraft.server.worker import EngineWorker
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad
 from quickdraft.speculative.batch import propose_together
 from quickdraft.speculative.draft_model import MAX_CATCH_UP, DraftModelDrafter
-from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.suffix import SuffixDrafter
 from quickdraft.speculative.tree import DraftTree, tree_mask, tree_positions
 from quickdraft.speculative.verify import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TEXTS = [
-    "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Hello",
-    # longer than a pass: its prompt is read in chunks between the others' decode steps
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
-    "        self.items.append(x)\n" * 2,
-    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",
-    "import os, sys, json\nfrom pathlib import Path\n",
-    "0123456789 +-*/=<>()",
-    "Speculative decoding drafts several tokens cheaply and verifies them in one pass.",
-]
 
 
 @pytest.fixture(scope="module", params=["llama-f32", "gemma3-f32", "qwen2-gguf"])
@@ -67,94 +61,6 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         pytest.skip("the native kernels are not built on this machine")
     folder = make_tiny_hf_model(root, "qwen2", seed=5, name="qwen2-gguf")
     return load_model(str(hf_to_gguf(folder, root / "q.gguf", GGUF_LINEARS)), dtype="auto", max_context=256)
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    drafter: str  # none | ngram | const | tree
-    k: int = 4
-
-
-def make_drafter(kind: str, model: LoadedModel) -> Drafter | None:
-    vocab = model.config.vocab_size
-    if kind == "auto":  # n-gram and a draft model (the target itself: right drafts) under the cost model
-        cost = TargetCost({1: 0.010, 2: 0.011, 4: 0.012, 8: 0.015})
-        return AutoDrafter([Candidate(SuffixDrafter(), Acceptance(0.6, 8), 0.0, cheap=True),
-                            Candidate(DraftModelDrafter(model.model, vocab, eager=True), Acceptance(0.9, 8), 0.002,
-                                      cheap=False)], cost)
-    if kind == "ngram":
-        return SuffixDrafter()
-    if kind == "const":  # mostly wrong chains
-        return ConstDrafter([5, 6, 7, 8, 9, 10])
-    if kind == "tree":
-        return RandomTree(vocab)
-    return None
-
-
-def requests(model: LoadedModel, n: int) -> list[Request]:
-    kinds = ["none", "ngram", "const", "tree", "auto"]
-    out = []
-    for i in range(n):
-        prompt = model.tokenizer.encode(TEXTS[i % len(TEXTS)])
-        params: dict[str, Any] = {"max_tokens": 12 + 5 * (i % 4), "ignore_eos": True}
-        if i % 3 == 1:  # seeded sampling: one answer per seed, alone or not
-            params |= {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
-        if i % 5 == 4:
-            params |= {"stop": ("e",), "ignore_eos": False}
-        out.append(Request(prompt, SamplingParams(**params), kinds[i % len(kinds)], k=2 + i % 5))
-    return out
-
-
-def run_to_end(engine: Engine, got: dict[Generation, list[int]]) -> None:
-    """Step ``engine`` until nothing runs, adding each generation's tokens to ``got``."""
-    while engine.running:
-        for gen, step in engine.step():
-            assert not isinstance(step, Exception), step
-            got[gen] += step.token_ids
-            if step.finished:
-                engine.remove(gen)
-
-
-def alone(model: LoadedModel, req: Request) -> list[int]:
-    engine = Engine(model.model, model.tokenizer)
-    drafter = make_drafter(req.drafter, model)
-    return [t for s in engine.generate(req.prompt, req.params, drafter, req.k) for t in s.token_ids]
-
-
-def together(engine: Engine, model: LoadedModel, reqs: list[Request], cancel: dict[int, int] | None = None
-             ) -> dict[int, list[int]]:
-    """Run ``reqs`` through ``engine`` as a server would: admitted in order while lanes are free,
-    stepped together; ``cancel`` {request: after how many tokens it is removed}."""
-    cancel = cancel or {}
-    out: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
-    waiting = list(range(len(reqs)))
-    running: dict[Generation, int] = {}
-    while waiting or running:
-        while waiting and engine.has_room():
-            i = waiting.pop(0)
-            r = reqs[i]
-            running[engine.add(r.prompt, r.params, make_drafter(r.drafter, model), r.k)] = i
-        for gen, step in engine.step():
-            assert not isinstance(step, Exception), step
-            i = running[gen]
-            out[i] += step.token_ids
-            if step.finished or (i in cancel and len(out[i]) >= cancel[i]):
-                engine.remove(gen)
-                del running[gen]
-    return out
-
-
-def check_together_equals_alone(model: LoadedModel, n: int, max_sequences: int) -> Engine:
-    """``n`` mixed requests (:func:`requests`) run together on an engine of ``max_sequences`` lanes:
-    each answer equals the request's answer alone. Returns the engine."""
-    reqs = requests(model, n)
-    engine = Engine(model.model, model.tokenizer, max_sequences=max_sequences)
-    got = together(engine, model, reqs)
-    for i, r in enumerate(reqs):
-        assert got[i] == alone(model, r), f"request {i} ({r.drafter}, {r.params}) differs from its answer alone"
-    return engine
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -195,7 +101,6 @@ def test_prefix_cache_hits_under_load_equal_cold_runs(model: LoadedModel) -> Non
         assert got2[i] == alone(model, r)
 
 
-
 @pytest.mark.parametrize("drafter", ["none", "auto"])
 def test_a_prefix_running_in_another_lane_is_copied_and_equals_cold(model: LoadedModel, drafter: str) -> None:
     """B arrives while A, with the same long system prompt, still runs: B's lane copies A's computed
@@ -205,13 +110,13 @@ def test_a_prefix_running_in_another_lane_is_copied_and_equals_cold(model: Loade
     a = Request(system + model.tokenizer.encode("Hello"), params, drafter)
     b = Request(system + model.tokenizer.encode("0123"), SamplingParams(max_tokens=8, temperature=0.8, seed=3), drafter)
     engine = Engine(model.model, model.tokenizer, max_sequences=2, prefix_cache=PrefixCache(64 << 20))
-    gen_a = engine.add(a.prompt, a.params, make_drafter(a.drafter, model), a.k)
+    gen_a = engine.add(a.prompt, a.params, request_drafter(a.drafter, model), a.k)
     got: dict[Generation, list[int]] = {gen_a: []}
     while gen_a.computed < len(a.prompt) or not got[gen_a]:  # A's prompt read, a token out
         for gen, step in engine.step():
             assert not isinstance(step, Exception), step
             got[gen] += step.token_ids
-    gen_b = engine.add(b.prompt, b.params, make_drafter(b.drafter, model), b.k)
+    gen_b = engine.add(b.prompt, b.params, request_drafter(b.drafter, model), b.k)
     shared = next(i for i, (x, y) in enumerate(zip(a.prompt, b.prompt, strict=False)) if x != y)
     assert gen_b.cached == shared >= len(system)
     assert engine.prefix_cache.stats.from_running == 1
@@ -233,9 +138,9 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(model: LoadedMo
             Request(system + model.tokenizer.encode("0123"), SamplingParams(max_tokens=9, ignore_eos=True), drafter),
             Request(model.tokenizer.encode(TEXTS[0]), SamplingParams(max_tokens=7, ignore_eos=True), drafter)]
     engine = Engine(model.model, model.tokenizer, max_sequences=5, prefix_cache=PrefixCache(64 << 20))
-    gens = [engine.add(r.prompt, r.params, make_drafter(r.drafter, model), r.k) for r in reqs]
+    gens = [engine.add(r.prompt, r.params, request_drafter(r.drafter, model), r.k) for r in reqs]
     assert [g.follows is gens[0] for g in gens] == [False, True, True, False]
-    leaving = engine.add(same, reqs[0].params, make_drafter(drafter, model), 4)
+    leaving = engine.add(same, reqs[0].params, request_drafter(drafter, model), 4)
     assert leaving.follows is gens[0]
     engine.remove(leaving)
     assert len(engine._free) == 1 and engine.running == gens
@@ -380,7 +285,6 @@ def test_worker_serves_clients_at_once_in_arrival_order(model: LoadedModel) -> N
         full = alone_with(model, r, SuffixDrafter(), 4)
         assert got[i] == (full[: len(got[i])] if i == 1 else full)
     assert len(engine._free) == 2
-
 
 
 def test_the_thread_that_starts_the_worker_hands_over_its_compute_threads() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_tokenizer import CONVERSATIONS, SAMPLES
+from helpers import CONVERSATIONS, SAMPLES
 from tiny import hf_to_gguf, load_reference, make_spm_gguf, make_tiny_hf_model, reference_logits
 
 from quickdraft import zoo

@@ -17,11 +17,20 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    GREEDY,
+    MB,
+    Case,
+    TreeOracle,
+    check_scripted,
+    check_together_equals_alone,
+    generate,
+    make_case,
+    run,
+    same,
+    tokens,
+)
 from safetensors.torch import load_file, save_file
-from test_concurrency import check_together_equals_alone
-from test_prefix_cache import GREEDY, MB, run, same, tokens
-from test_spec import Case, check_scripted, make_case
-from test_tree import TreeOracle, generate
 from tiny import (
     gemma4_to_gguf,
     load_reference,

@@ -17,10 +17,19 @@ from typing import Any
 
 import pytest
 import torch
-from test_concurrency import alone, requests, run_to_end
-from test_loading_errors import _cli, assert_words
-from test_prefix_cache import GREEDY, MB, run, same, tokens
-from test_tree import generate
+from helpers import (
+    GREEDY,
+    MB,
+    alone,
+    assert_words,
+    cli_error,
+    generate,
+    requests,
+    run,
+    run_to_end,
+    same,
+    tokens,
+)
 from tiny import ProposalRecorder, load_reference, make_tiny_hf_model, tiny_config
 
 from quickdraft.assemble.drafters import build_drafter
@@ -266,7 +275,7 @@ def test_an_assistant_for_another_target_is_a_one_line_error(folders: dict[str, 
     llama = make_tiny_hf_model(tmp_path, "llama")
     capsys.readouterr()  # (transformers' progress bar while saving it)
     threads = str(torch.get_num_threads())
-    err = _cli(["generate", "--raw", "-q", "--model", str(llama), "--dtype", "float32", "--threads", threads,
+    err = cli_error(["generate", "--raw", "-q", "--model", str(llama), "--dtype", "float32", "--threads", threads,
                 "--draft", str(folders["plain"]), "hi"], capsys)
     assert_words(err, "Gemma 4 assistant", "'llama'")
     assert err.strip().count("\n") == 0

@@ -18,10 +18,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
+from helpers import (
+    Case,
+    TreeOracle,
+    check_scripted,
+    check_together_equals_alone,
+    generate,
+    make_case,
+)
 from safetensors.torch import load_file, save_file
-from test_concurrency import check_together_equals_alone
-from test_spec import Case, check_scripted, make_case
-from test_tree import TreeOracle, generate
 from tiny import (
     gpt_oss_to_gguf,
     load_reference,

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_spec import TINY_N, TINY_PROMPT, Case, check_scripted, make_case
-from test_tree import PROMPT, N, TreeOracle
+from helpers import TINY_PROMPT, Case, TreeOracle, check_scripted, make_case
 from tiny import make_tiny_hf_model
 
 import quickdraft.engine as engine_mod
@@ -27,6 +26,9 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
+
+TINY_N = 48  # greedy tokens per scripted-chain run (as tests/test_spec.py's)
+N = 40  # greedy tokens per n-gram and tree run (as tests/test_tree.py's)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +158,7 @@ def test_scripted_drafters_through_static_passes_match_plain(
 def test_ngram_and_trees_through_static_passes_match_plain(root: Path, static_engines: list[StepGraphs]) -> None:
     loaded = load_model(str(make_tiny_hf_model(root, "llama", seed=21, name="llama-trees")), dtype="float32",
                         max_context=256)
-    prompt = loaded.tokenizer.encode(PROMPT)
+    prompt = loaded.tokenizer.encode(TINY_PROMPT)
     params = SamplingParams(max_tokens=N, ignore_eos=True)
     truth = [t for s in Engine(loaded.model, loaded.tokenizer).generate(prompt, params) for t in s.token_ids]
     for drafter, k in ((NGramDrafter(min_ngram=1), 6), (TreeOracle(truth, loaded.config.vocab_size, "right_varied"), 8),

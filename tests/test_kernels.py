@@ -19,6 +19,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
+from helpers import BLOCK_FORMATS, E8M0_FIELDS, FLOAT_FORMATS, FORMATS, FP16_FIELDS, random_raw
 
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
@@ -45,41 +46,8 @@ from quickdraft.quant.ggml import (
 )
 
 Q = GGMLQuantizationType
-# Block formats (the q8 GEMM's), then the float matrices the f32 kernels read as they are.
-BLOCK_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
-                 Q.MXFP4]
-FLOAT_FORMATS = [Q.F16, Q.BF16]
-FORMATS = BLOCK_FORMATS + FLOAT_FORMATS
-# Byte offsets of the fp16 fields (scales, mins) inside each block.
-FP16_FIELDS = {
-    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.IQ4_NL: [0], Q.Q2_K: [80, 82],
-    Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0], Q.MXFP4: [],
-}
-E8M0_FIELDS = {Q.MXFP4: [0]}  # byte offsets of power-of-two scales (2^(e - 128))
 UNSUPPORTED = Q.IQ2_XXS  # a GGML type without a kernel (66 bytes per 256 values)
 ROWS = [1, 2, 3, 4, 7, 8, 9, 16, 31, 32, 33, 100]
-
-
-def random_raw(
-    qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0, scale: float = 0.02
-) -> np.ndarray:
-    """Random valid blocks: random bytes, with finite fp16 values in the scale fields (F16 / BF16:
-    random finite values of that size)."""
-    rng = np.random.default_rng(seed)
-    if qtype in FLOAT_FORMATS:
-        w = np.clip(rng.standard_normal((n, k)) * scale, -65000, 65000).astype(np.float32)
-        if qtype == Q.F16:
-            return w.astype(np.float16).view(np.uint8).reshape(n, 2 * k)
-        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, 2 * k)
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    nb = n * (k // bs)
-    raw = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype]:
-        vals = np.clip(rng.standard_normal(nb) * scale, -65000, 65000).astype(np.float16)  # finite
-        raw[:, off : off + 2] = vals.view(np.uint8).reshape(nb, 2)
-    for off in E8M0_FIELDS.get(qtype, []):  # scales around ``scale`` / 4 (the values reach 12 / 2)
-        raw[:, off] = np.clip(round(126 + np.log2(scale)) + rng.integers(-3, 1, size=nb), 1, 254).astype(np.uint8)
-    return raw.reshape(n, k // bs * ts)
 
 
 def bits(a: np.ndarray | torch.Tensor) -> np.ndarray:

@@ -16,12 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import assert_words, cli_error
 from safetensors.torch import load_file, save_file
 from tiny import gguf_tokenizer_metadata, make_tiny_hf_model, write_tokenizer
 
 from quickdraft import zoo
 from quickdraft.api import LLM
-from quickdraft.cli.main import main
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import load_model
 from quickdraft.sampling import SamplingParams
@@ -34,12 +34,6 @@ def error_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     message = str(info.value)
     assert message and "Traceback" not in message
     return message
-
-
-def assert_words(message: str, *words: str) -> None:
-    lower = message.lower()
-    missing = [w for w in words if w.lower() not in lower]
-    assert not missing, f"{missing} not in {message!r}"
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +224,7 @@ def test_unsupported_nested_architecture_is_named(tmp_path: Path, capsys: pytest
     folder = write_tokenizer(tmp_path / "gemma3n")
     (folder / "config.json").write_text(json.dumps({"model_type": "gemma3n", "text_config": {"hidden_size": 64}}))
     save_file({"x": torch.zeros(1)}, str(folder / "model.safetensors"))
-    err = _cli(["generate", "--raw", "-q", "--model", str(folder), "hi"], capsys)
+    err = cli_error(["generate", "--raw", "-q", "--model", str(folder), "hi"], capsys)
     assert_words(err, "architecture", "gemma3n", "not supported", "qwen3_5", "gpt_oss")
 
 
@@ -317,28 +311,20 @@ def test_small_context_with_the_auto_drafter(tiny_folder: Path) -> None:
 # ------------------------------------------------------------------------------------------ CLI
 
 
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "error: " in err and "Traceback" not in err
-    return err
-
-
 def test_cli_nonexistent_model(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _cli(["generate", "--raw", "-q", "--model", "/nonexistent/m.gguf", "hello"], capsys)
+    err = cli_error(["generate", "--raw", "-q", "--model", "/nonexistent/m.gguf", "hello"], capsys)
     assert_words(err, "no such file", "/nonexistent/m.gguf")
 
 
 def test_cli_unknown_model_name(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _cli(["generate", "--raw", "-q", "--model", "no-such-zoo-model", "hi"], capsys)
+    err = cli_error(["generate", "--raw", "-q", "--model", "no-such-zoo-model", "hi"], capsys)
     assert_words(err, "unknown model", zoo.names()[0])
 
 
 def test_cli_not_a_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "fake.gguf"
     path.write_text("hello, I am text")
-    err = _cli(["generate", "--raw", "-q", "--model", str(path), "hi"], capsys)
+    err = cli_error(["generate", "--raw", "-q", "--model", str(path), "hi"], capsys)
     assert_words(err, "not a GGUF file")
 
 
@@ -348,10 +334,10 @@ def test_cli_prompt_longer_than_context(
     threads = str(torch.get_num_threads())
     argv = ["generate", "--raw", "-q", "--model", str(tiny_folder), "--dtype", "float32",
             "--max-context", "32", "--draft", "none", "--threads", threads, "word " * 80]  # fmt: skip
-    err = _cli(argv, capsys)
+    err = cli_error(argv, capsys)
     assert_words(err, "context")
 
 
 def test_cli_bad_draft_confidence_is_refused_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _cli(["generate", "--raw", "-q", "--model", "/nonexistent/m.gguf", "--draft-confidence", "-0.5", "hi"], capsys)
+    err = cli_error(["generate", "--raw", "-q", "--model", "/nonexistent/m.gguf", "--draft-confidence", "-0.5", "hi"], capsys)
     assert_words(err, "--draft-confidence", "below 1")

@@ -15,14 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_spec import perturbed_copy
+from helpers import GREEDY, MB, perturbed_copy, run, same, tokens
 from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.cache import KVCache
-from quickdraft.engine import Engine, RequestStats
+from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.prefix_cache import PrefixCache, common_prefix
-from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape
 from quickdraft.speculative.eagle3.head import Eagle3Config, init_head_weights
@@ -32,9 +31,7 @@ from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, Ta
 from quickdraft.speculative.suffix import SuffixDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-MB = 1 << 20
 SHAPE = TreeShape(top_k=3, max_depth=4, max_nodes=10)
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
 SAMPLED = dataclasses.replace(GREEDY, temperature=0.9, seed=7)
 CONTEXT = 512
 
@@ -100,39 +97,6 @@ def make_drafter(kind: str, pair: Pair, head: Any = None) -> tuple[Any, int]:
                  Candidate(draft, Acceptance(0.7, 8), 0.05, cheap=False)]
         return AutoDrafter(cands, cost), 8
     raise AssertionError(kind)
-
-
-@dataclasses.dataclass
-class Out:
-    ids: list[int]
-    stats: RequestStats
-    first: list[Any]  # the first token's logprobs (its raw distribution's top 3)
-
-
-def run(engine: Engine, prompt: list[int], drafter: Any, k: int, params: SamplingParams, steps: int | None = None) -> Out:
-    ids: list[int] = []
-    first: list[Any] = []
-    gen = engine.generate(prompt, params, drafter, k)
-    for i, step in enumerate(gen):
-        if i == 0:
-            first = [(lp.token, lp.logprob, lp.top) for lp in step.logprobs or []]
-        ids.extend(step.token_ids)
-        if steps is not None and i + 1 >= steps:
-            gen.close()  # the client left
-            break
-    return Out(ids, step.stats, first)
-
-
-def tokens(seed: int, n: int, vocab: int) -> list[int]:
-    """Ids with some repetition (so n-gram lookup and the draft model have something to match)."""
-    gen = np.random.default_rng(seed)
-    base = gen.integers(3, vocab, size=max(1, n // 3)).tolist()
-    return (base * 3 + gen.integers(3, vocab, size=n).tolist())[:n]
-
-
-def same(warm: Out, ref: Out) -> None:
-    assert warm.ids == ref.ids
-    assert warm.first == ref.first  # bitwise: the same floats, not close ones
 
 
 # --------------------------------------------------------------------------- conversations

@@ -19,18 +19,25 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from test_concurrency import (
+from helpers import (
+    GREEDY,
+    MB,
+    Case,
     Request,
+    TreeOracle,
     alone,
+    check_scripted,
     check_together_equals_alone,
-    make_drafter,
+    generate,
+    make_case,
+    request_drafter,
     requests,
+    run,
     run_to_end,
+    same,
+    tokens,
 )
-from test_prefix_cache import GREEDY, MB, run, same, tokens
-from test_spec import Case, check_scripted, make_case
-from test_tree import TreeOracle, generate
+from safetensors.torch import load_file, save_file
 from tiny import (
     ProposalRecorder,
     load_reference,
@@ -576,7 +583,7 @@ def test_requests_arriving_together_share_a_prompt_at_its_checkpoints(hybrid: Lo
     reqs = [Request(system + tokens(5 + i, 6, vocab), SamplingParams(max_tokens=8, ignore_eos=True), kind)
             for i, kind in enumerate(["none", "ngram", "const"])]
     engine = Engine(hybrid.model, hybrid.tokenizer, max_sequences=3, prefix_cache=PrefixCache(64 << 20))
-    gens = [engine.add(r.prompt, r.params, make_drafter(r.drafter, hybrid), r.k) for r in reqs]
+    gens = [engine.add(r.prompt, r.params, request_drafter(r.drafter, hybrid), r.k) for r in reqs]
     assert [g.follows is gens[0] for g in gens] == [False, True, True]
     got: dict[Any, list[int]] = {g: [] for g in gens}
     run_to_end(engine, got)

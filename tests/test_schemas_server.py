@@ -11,23 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import pydantic
 import pytest
+from helpers import Place, Trip
 from live_server import Server, running, start_server
 
 pytestmark = pytest.mark.slow
 
 NAME = "qwen-small"
-
-
-class Place(pydantic.BaseModel):
-    city: str = pydantic.Field(max_length=16)
-    country: str = pydantic.Field(max_length=16)
-
-
-class Trip(pydantic.BaseModel):
-    origin: Place
-    stops: list[Place] = pydantic.Field(max_length=2)
 
 
 TRIP_TOOL = {

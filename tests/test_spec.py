@@ -20,17 +20,29 @@ import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    GGUF_LINEARS,
+    TINY_PROMPT,
+    Case,
+    ConstDrafter,
+    OracleDrafter,
+    Run,
+    WrongDrafter,
+    check_scripted,
+    generate,
+    make_case,
+    perturbed_copy,
+)
 from tiny import hf_to_gguf, make_tiny_hf_model, write_tokenizer
 
 from quickdraft.api import LLM
 from quickdraft.assemble.drafters import build_drafter
-from quickdraft.engine import Engine, RequestStats, StepOutput
+from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.causal_lm import CausalLM
@@ -48,7 +60,6 @@ KS = [1, 2, 3, 5, 8]
 TINY_N = 48  # greedy tokens per tiny run
 SMOL_N = 40  # greedy tokens per fp32 SmolLM2 run
 BF16_N = 64
-TINY_PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
 SMOL_PROMPT = (
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
     "def mul(a, b):\n    return a * b\n\n\ndef"
@@ -57,233 +68,6 @@ EMPTY = torch.empty(0, dtype=torch.long)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-@dataclass
-class Run:
-    ids: list[int]
-    text: str
-    finish_reason: str | None
-    stats: RequestStats
-    steps: list[StepOutput]
-
-
-def generate(
-    loaded: LoadedModel,
-    prompt: list[int],
-    drafter: Drafter | None = None,
-    k: int = 0,
-    tokenizer: Tokenizer | None = None,
-    **params: Any,
-) -> Run:
-    engine = Engine(loaded.model, tokenizer or loaded.tokenizer)
-    steps = list(engine.generate(prompt, SamplingParams(**params), drafter, k))
-    return Run(
-        [t for s in steps for t in s.token_ids],
-        "".join(s.text for s in steps),
-        steps[-1].finish_reason,
-        steps[-1].stats,
-        steps,
-    )
-
-
-@dataclass
-class Case:
-    """A model, a prompt and its plain greedy continuation (EOS ignored, ``len(truth)`` tokens)
-    under ``params`` (extra SamplingParams fields, e.g. penalties)."""
-
-    loaded: LoadedModel
-    prompt: list[int]
-    truth: list[int]
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def vocab(self) -> int:
-        return self.loaded.config.vocab_size
-
-    def spec(self, drafter: Drafter, k: int, **params: Any) -> Run:
-        params = {"max_tokens": len(self.truth), "ignore_eos": True} | self.params | params
-        return generate(self.loaded, self.prompt, drafter, k, **params)
-
-
-def make_case(loaded: LoadedModel, text: str, n: int, **params: Any) -> Case:
-    prompt = loaded.tokenizer.encode(text)
-    run = generate(loaded, prompt, max_tokens=n, ignore_eos=True, **params)
-    assert len(run.ids) == n and run.finish_reason == "length"
-    assert run.stats.target_passes == n - 1 and run.stats.drafted == 0
-    return Case(loaded, prompt, run.ids, params)
-
-
-class ScriptedDrafter(Drafter):
-    """Knows the plain greedy output; ``draft(true, step)`` turns the next k true tokens into a
-    proposal. Checks on every commit that the engine emitted the truth and accepted exactly the
-    longest right prefix of the proposal; ``log`` keeps (k, num_accepted) per drafting step."""
-
-    name = "scripted"
-
-    def __init__(self, truth: list[int], vocab: int) -> None:
-        self.truth, self.vocab = truth, vocab
-        self.context: list[int] = []
-        self.prompt_len = 0
-        self.step = 0
-        self.proposed: list[int] | None = None
-        self.log: list[tuple[int, int]] = []
-
-    def draft(self, true: list[int], step: int) -> list[int]:
-        raise NotImplementedError
-
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
-        self.context = [int(t) for t in prompt_ids.tolist()]
-        self.prompt_len = len(self.context)
-        self.step, self.proposed, self.log = 0, None, []
-
-    def propose(self, k: int) -> Draft:
-        assert self.proposed is None, "propose called twice without a commit"
-        pos = len(self.context) - self.prompt_len
-        true = self.truth[pos : pos + k]
-        assert len(true) == k, f"the engine asked for {k} drafts at output {pos}, past max_tokens"
-        self.proposed = self.draft(true, self.step)
-        self.step += 1
-        return Draft(tokens=torch.tensor(self.proposed, dtype=torch.long))
-
-    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
-        emitted = [int(t) for t in tokens.tolist()]
-        pos = len(self.context) - self.prompt_len
-        assert emitted == self.truth[pos : pos + len(emitted)], f"output differs at {pos}"
-        if self.proposed is None:
-            assert num_accepted == 0 and len(emitted) == 1
-        else:
-            true = self.truth[pos : pos + len(self.proposed)]
-            right = 0
-            while right < len(true) and self.proposed[right] == true[right]:
-                right += 1
-            assert num_accepted == right, (
-                f"step {self.step - 1}: accepted {num_accepted}, {right} right"
-            )
-            assert len(emitted) == num_accepted + 1
-            self.log.append((len(self.proposed), num_accepted))
-            self.proposed = None
-        self.context.extend(emitted)
-
-    def reset(self) -> None:
-        self.context, self.proposed = [], None
-
-
-class OracleDrafter(ScriptedDrafter):
-    name = "oracle"
-
-    def draft(self, true: list[int], step: int) -> list[int]:
-        return list(true)
-
-
-class WrongDrafter(ScriptedDrafter):
-    name = "wrong"
-
-    def draft(self, true: list[int], step: int) -> list[int]:
-        return [(t + 1) % self.vocab for t in true]
-
-
-class PartlyRightDrafter(ScriptedDrafter):
-    """Right except at the draft positions ``wrong_at(step)``."""
-
-    name = "partly"
-
-    def __init__(self, truth: list[int], vocab: int, wrong_at: Callable[[int], set[int]]) -> None:
-        super().__init__(truth, vocab)
-        self.wrong_at = wrong_at
-
-    def draft(self, true: list[int], step: int) -> list[int]:
-        bad = self.wrong_at(step)
-        return [(t + 1) % self.vocab if i in bad else t for i, t in enumerate(true)]
-
-
-class RandomDrafter(ScriptedDrafter):
-    """Each token right with probability ``p_right``, else a seeded random id."""
-
-    name = "random"
-
-    def __init__(self, truth: list[int], vocab: int, seed: int, p_right: float) -> None:
-        super().__init__(truth, vocab)
-        self.rng = random.Random(seed)
-        self.p_right = p_right
-
-    def draft(self, true: list[int], step: int) -> list[int]:
-        return [
-            t if self.rng.random() < self.p_right else self.rng.randrange(self.vocab) for t in true
-        ]
-
-
-def partly_wrong_at(step: int) -> set[int]:
-    return {0} if step % 3 == 0 else {2}
-
-
-def make_drafter(kind: str, case: Case) -> ScriptedDrafter:
-    if kind == "oracle":
-        return OracleDrafter(case.truth, case.vocab)
-    if kind == "wrong":
-        return WrongDrafter(case.truth, case.vocab)
-    if kind == "partly":
-        return PartlyRightDrafter(case.truth, case.vocab, partly_wrong_at)
-    if kind == "random":
-        return RandomDrafter(case.truth, case.vocab, seed=7, p_right=0.0)
-    if kind == "coin":
-        return RandomDrafter(case.truth, case.vocab, seed=8, p_right=0.6)
-    raise ValueError(kind)
-
-
-def check_scripted(case: Case, kind: str, k: int) -> None:
-    """Speculative greedy == plain greedy, and the stats match what the drafter construction implies."""
-    drafter = make_drafter(kind, case)
-    run = case.spec(drafter, k)
-    n = len(case.truth)
-    assert run.ids == case.truth
-    assert run.finish_reason == "length"
-    stats, log = run.stats, drafter.log
-    # Every target pass emits accepted + 1 tokens; the prefill emitted the first one.
-    assert stats.accepted + stats.target_passes == n - 1
-    assert stats.drafted == sum(kk for kk, _ in log)
-    assert stats.accepted == sum(a for _, a in log)
-    # The engine offers min(k, tokens still allowed - 1): k every step but where the budget cuts it.
-    out = 1
-    for kk, a in log:
-        assert kk == min(k, n - out - 1)
-        out += a + 1
-    per_pos_drafted = [sum(kk > i for kk, _ in log) for i in range(k)]
-    per_pos_accepted = [sum(a > i for _, a in log) for i in range(k)]
-    assert stats.drafted_per_position == per_pos_drafted[: len(stats.drafted_per_position)]
-    assert stats.accepted_per_position == per_pos_accepted[: len(stats.accepted_per_position)]
-    if kind == "oracle":
-        assert stats.accepted == stats.drafted
-        assert stats.target_passes == math.ceil((n - 1) / (k + 1))
-        assert stats.tau == pytest.approx((n - 1) / math.ceil((n - 1) / (k + 1)))
-        if (n - 1) % (k + 1) == 0:
-            assert stats.tau == k + 1
-    elif kind == "wrong":
-        assert stats.accepted == 0 and stats.drafted > 0
-        assert stats.tau == 1.0 and stats.target_passes == n - 1
-    elif kind == "partly":
-        for step, (kk, a) in enumerate(log):
-            first_wrong = min(partly_wrong_at(step))
-            assert a == min(first_wrong, kk)
-        assert 0 < stats.accepted < stats.drafted
-    elif kind == "random":
-        assert stats.drafted > 0
-
-
-def perturbed_copy(folder: Path, seed: int, scale: float, max_context: int = 256) -> LoadedModel:
-    """The model in ``folder`` with every weight nudged by ``scale`` times its own spread."""
-    copy = load_model(str(folder), dtype="float32", max_context=max_context)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in copy.model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * param.std() * scale)
-    return copy
-
-
-# --------------------------------------------------------------------------- tiny fp32 models
 
 
 @pytest.fixture(scope="module")
@@ -301,13 +85,6 @@ def tiny(tiny_folder: Path) -> Case:
     return make_case(
         load_model(str(tiny_folder), dtype="float32", max_context=256), TINY_PROMPT, TINY_N
     )
-
-
-# The same kind of model as GGUF blocks (Q8_0 / Q4_0 / Q5_0 linears) on the CPU kernels, where every
-# decode and verify pass runs through the native decoder stack (quickdraft/models/native.py).
-GGUF_LINEARS = {"attn_q.weight": "Q8_0", "attn_k.weight": "Q4_0", "attn_v.weight": "Q5_0",
-                "attn_output.weight": "Q8_0", "ffn_gate.weight": "Q4_0", "ffn_up.weight": "Q8_0",
-                "ffn_down.weight": "Q5_0"}
 
 
 @pytest.fixture(scope="module")
@@ -919,27 +696,6 @@ class FrozenCost(TargetCost):
     """A cost model that ignores measurements, so a test decides what verification costs."""
 
     def observe(self, rows: int, seconds: float) -> None:
-        pass
-
-
-class ConstDrafter(Drafter):
-    """Always proposes the same tokens: a deterministic draft (q one-hot), like n-gram lookup's."""
-
-    name = "const"
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
-        pass
-
-    def propose(self, k: int) -> Draft:
-        return Draft(tokens=torch.tensor(self.tokens[:k], dtype=torch.long))
-
-    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
-        pass
-
-    def reset(self) -> None:
         pass
 
 

@@ -11,43 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import CONVERSATIONS, SAMPLES
 
 from quickdraft.detokenizer import IncrementalDetokenizer
 from quickdraft.errors import QuickdraftError
 from quickdraft.tokenizer import Tokenizer
-
-SAMPLES = [
-    "",
-    "Hello world",
-    "def add(a, b):\n    return a  +  b\n\n\nclass X:\n\tdef f(self):\n\t\tpass\n",
-    "if x:\n        y = [\n    10,\n    20,\n]\n\t \t\n",
-    "日本語のテキスト、中文文本 and emoji 😀🎉👍🏽 café naïve résumé Ångström",
-    "   leading spaces",
-    "trailing spaces   ",
-    "\n\n\n",
-    "a\r\nb\rc\n\n \n",
-    "x  1",
-    "1234567890 3.14159 1e10 0xFF 12,345,678 ½ ² ٣",
-    "It's we're they'll I'd CAN'T",
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "text<|endoftext|>more <tool_call>{}</tool_call> <|im_start|",
-    "Ünïcödé – “quotes” — ellipsis… €100 ₿",
-]
-
-CONVERSATIONS = {
-    "single": [{"role": "user", "content": "What is the capital of France?"}],
-    "system_multi": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4"},
-        {"role": "user", "content": "And 3+3?"},
-    ],
-    "no_system_multi": [
-        {"role": "user", "content": "Write a haiku."},
-        {"role": "assistant", "content": "Silent pond\nfrog jumps"},
-        {"role": "user", "content": "Another, with emoji 🐸"},
-    ],
-}
 
 STREAM_TEXTS = [
     "Hello 世界! 😀🎉 café — naïve 👍🏽\n日本語のテキストです。",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import make_tiny_hf_model
+from tiny import make_moe_model, make_tiny_hf_model
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import load_model
@@ -42,8 +42,6 @@ def _run(folder: Path, tp: int) -> dict:
 
 
 def _moe(tmp_path: Path) -> Path:
-    from test_moe import make_moe_model
-
     return make_moe_model(tmp_path, "qwen2_moe")  # shared expert with its gate, a dense layer, qkv biases
 
 

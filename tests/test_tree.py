@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import SHAPES, TINY_PROMPT, RandomTree, Run, TreeOracle, generate, ids, tree
 from tiny import make_tiny_hf_model
 
-from quickdraft.engine import Engine, RequestStats, StepOutput
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.layers import causal_mask
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculative.base import Drafter, capture_layers_of
+from quickdraft.speculative.base import capture_layers_of
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost
 from quickdraft.speculative.tree import (
     DraftTree,
@@ -38,19 +37,10 @@ from quickdraft.speculative.tree import (
 )
 from quickdraft.speculative.verify import Draft
 
-PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
 N = 40  # greedy tokens per tiny run
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
-
-
-def ids(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long)
-
-
-def tree(tokens: Sequence[int], parents: Sequence[int], probs: torch.Tensor | None = None) -> DraftTree:
-    return DraftTree(ids(*tokens), ids(*parents), probs)
 
 
 # The example of quickdraft/speculative/tree.py's docstring:
@@ -404,139 +394,6 @@ def test_sampled_shape_checks() -> None:
 # --------------------------------------------------------------------------- engine, tiny model
 
 
-@dataclass
-class Run:
-    ids: list[int]
-    stats: RequestStats
-    steps: list[StepOutput]
-    engine: Engine
-
-
-def generate(
-    loaded: LoadedModel, prompt: list[int], drafter: Any = None, k: int = 0, **params: Any
-) -> Run:
-    engine = Engine(loaded.model, loaded.tokenizer)
-    constraint = params.pop("constraint", None)
-    steps = list(engine.generate(prompt, SamplingParams(**params), drafter, k, constraint=constraint))
-    return Run([t for s in steps for t in s.token_ids], steps[-1].stats, steps, engine)
-
-
-Shape = Callable[[list[int], int, int], tuple[list[int], list[int]]]
-
-
-def build_tree(
-    true: list[int],
-    vocab: int,
-    width: int,
-    right_levels: int,
-    slot: Callable[[int], int],
-    decoys: bool,
-    k: int,
-    trap: bool = False,
-) -> tuple[list[int], list[int]]:
-    """A spine of ``width``-way sibling groups along the true continuation: at depth d the sibling
-    ``slot(d)`` carries the true token (or a wrong one from depth ``right_levels`` on), the others
-    wrong ones; with ``decoys`` the next wrong sibling gets a child carrying the NEXT true token (a
-    right token on a wrong branch, which must never be accepted); with ``trap`` the first wrong
-    sibling carries the NEXT true token (a row that wrongly counted its siblings as history would
-    penalise the token it should pick). The first k nodes are kept."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    spine = -1
-    for d, t in enumerate(true):
-        s = slot(d) % width
-        group = []
-        for j in range(width):
-            if j == s:
-                tok = t if d < right_levels else (t + width + 1) % vocab
-            elif trap and j == min({0, 1} - {s}) and d + 1 < len(true):
-                tok = true[d + 1]
-            else:
-                tok = (t + j + 1) % vocab
-            tokens.append(tok)
-            parents.append(spine)
-            group.append(len(tokens) - 1)
-        if decoys and width > 1 and d + 1 < len(true):
-            tokens.append(true[d + 1])
-            parents.append(group[(s + 1) % width])
-        spine = group[s]
-        if len(tokens) >= k:
-            break
-    return tokens[:k], parents[:k]
-
-
-SHAPES: dict[str, Callable[[list[int], int, int, int], tuple[list[int], list[int]]]] = {
-    # (true tokens, vocab, k, step) -> (tokens, parents)
-    "chain": lambda true, v, k, step: build_tree(true, v, 1, k, lambda d: 0, False, k),
-    "chain_partly": lambda true, v, k, step: build_tree(true, v, 1, step % 4, lambda d: 0, False, k),
-    "right_last": lambda true, v, k, step: build_tree(true, v, 3, k, lambda d: 2, True, k),
-    "right_varied": lambda true, v, k, step: build_tree(true, v, 2, k, lambda d: d + step, True, k),
-    "wide": lambda true, v, k, step: build_tree(true, v, 5, k, lambda d: 4 - step, False, k),
-    "wrong": lambda true, v, k, step: build_tree(true, v, 3, 0, lambda d: d, True, k),
-    "partly": lambda true, v, k, step: build_tree(true, v, 2, step % 3, lambda d: d + 1, True, k),
-    "trap": lambda true, v, k, step: build_tree(true, v, 2, k, lambda d: 1, False, k, trap=True),
-}
-
-
-class TreeOracle(Drafter):
-    """Proposes trees built from the plain greedy output by ``shape``, and checks on every commit
-    that the engine emitted the truth and accepted exactly the longest right path of the tree.
-    ``log`` keeps (nodes, depth, accepted) per drafting step."""
-
-    name = "tree-oracle"
-
-    def __init__(self, truth: list[int], vocab: int, shape: str, first_child_only: bool = False) -> None:
-        self.truth, self.vocab, self.shape = truth, vocab, SHAPES[shape]
-        self.first_child_only = first_child_only  # the engine verifies only the first-child chain
-        self.context: list[int] = []
-        self.prompt_len = 0
-        self.step = 0
-        self.proposed: DraftTree | None = None
-        self.log: list[tuple[int, int, int]] = []
-
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
-        self.context = [int(t) for t in prompt_ids.tolist()]
-        self.prompt_len = len(self.context)
-        self.step, self.proposed, self.log = 0, None, []
-
-    def propose(self, k: int) -> Draft | DraftTree:
-        assert self.proposed is None, "propose called twice without a commit"
-        pos = len(self.context) - self.prompt_len
-        true = self.truth[pos : pos + k]
-        assert len(true) == k, f"asked for {k} drafts at output {pos}, past max_tokens"
-        tokens, parents = self.shape(true, self.vocab, k, self.step)
-        self.step += 1
-        self.proposed = tree(tokens, parents)
-        return self.proposed
-
-    def right_path(self, t: DraftTree, pos: int) -> list[int]:
-        path, node = [], -1
-        while True:
-            want = self.truth[pos + len(path)] if pos + len(path) < len(self.truth) else -1
-            children = t.children(node)[:1] if self.first_child_only else t.children(node)
-            nxt = next((c for c in children if int(t.tokens[c]) == want), None)
-            if nxt is None:
-                return path
-            path.append(nxt)
-            node = nxt
-
-    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
-        emitted = [int(x) for x in tokens.tolist()]
-        pos = len(self.context) - self.prompt_len
-        assert emitted == self.truth[pos : pos + len(emitted)], f"output differs at {pos}"
-        if self.proposed is None:
-            assert num_accepted == 0
-        else:
-            right = self.right_path(self.proposed, pos)
-            assert num_accepted == len(right), f"accepted {num_accepted}, right path {right}"
-            self.log.append((self.proposed.k, self.proposed.depth, num_accepted))
-            self.proposed = None
-        self.context.extend(emitted)
-
-    def reset(self) -> None:
-        self.context, self.proposed = [], None
-
-
 @pytest.fixture(scope="module")
 def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tree")
@@ -549,7 +406,7 @@ def tiny(tiny_root: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def prompt(tiny: LoadedModel) -> list[int]:
-    return tiny.tokenizer.encode(PROMPT)
+    return tiny.tokenizer.encode(TINY_PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -685,32 +542,6 @@ def test_tree_drafter_through_auto_drafter(tiny: LoadedModel, prompt: list[int],
 
 
 # ------------------------------------------------------------------------------- sampling
-
-
-class RandomTree(Drafter):
-    """A sampling tree drafter: root children i.i.d. from a fixed q, one grandchild each; its own
-    generator is seeded from the request's seed (like the draft-model drafter)."""
-
-    name = "random-tree"
-
-    def __init__(self, vocab: int) -> None:
-        self.q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3, -1)
-        self.gen = torch.Generator()
-
-    def prefill(self, prompt_ids: torch.Tensor, params: SamplingParams, cached: int = 0) -> None:
-        self.gen.manual_seed(0 if params.seed is None else params.seed + 1)
-
-    def propose(self, k: int) -> DraftTree:
-        width = (k + 1) // 2
-        tokens = torch.multinomial(self.q, k, replacement=True, generator=self.gen)
-        parents = [-1] * width + list(range(k - width))  # root children, then one child each
-        return DraftTree(tokens, ids(*parents), self.q.expand(k, -1))
-
-    def commit(self, tokens: torch.Tensor, num_accepted: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 def test_seeded_sampling_with_a_tree_drafter_reproduces(tiny: LoadedModel, prompt: list[int]) -> None:

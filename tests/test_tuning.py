@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_kernels import BLOCK_FORMATS, random_raw
+from helpers import BLOCK_FORMATS, random_raw
 
 from quickdraft import kernels
 from quickdraft.hardware import LoadWatch

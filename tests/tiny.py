@@ -230,6 +230,132 @@ def make_tiny_hf_model(
     return folder
 
 
+# --------------------------------------------------------------------------------------- MoE
+
+# name -> (HF model_type, config overrides on the tiny shape). MLP widths are multiples of 64, as
+# in real models: torch's element-wise SiLU is only batch invariant on such rows (moe.rowwise).
+MOE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}),
+    "qwen2_moe": (  # shared expert with its gate, one dense layer (mlp_only_layers), qkv biases
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen2_moe-step2": (  # every 2nd layer sparse, renormalised top-3, tied embeddings
+        "qwen2_moe",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "decoder_sparse_step": 2,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 32, "norm_topk_prob": True},
+    ),
+    "llama4": (  # MoE on layers 1 and 3, chunks of 8 < the 17 tokens, NoPE layer 1, temperature,
+        # RoPE layer 2 with full attention (explicit layer_types)
+        "llama4_text",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 128,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "interleave_moe_layer_step": 2,
+            "attention_chunk_size": 8,
+            "no_rope_layers": [1, 0, 1, 1],
+            "layer_types": ["chunked_attention", "full_attention", "full_attention", "chunked_attention"],
+            "floor_scale": 4,  # the temperature grows within the test's positions (real: 8192)
+            "attn_scale": 0.5,
+            "use_qk_norm": True,
+        },
+    ),
+    "llama4-top2": (  # two sigmoid-scaled experts, no qk norm, biases, explicit moe_layers, no chunks
+        "llama4_text",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 192,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "moe_layers": [0, 2],
+            "attention_chunk_size": None,
+            "no_rope_layers": [1, 1, 0],
+            "floor_scale": 4,
+            "attn_scale": 0.3,
+            "use_qk_norm": False,
+            "attention_bias": True,
+        },
+    ),
+}
+
+
+def moe_config(model_type: str, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=tokenizer_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+    )
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def randomize(model: Any) -> None:
+    """Weights of unit-scale activations, as tests/tiny.py draws them (std 1/sqrt(fan_in), norms
+    around 1, random biases), so logits are spread and routing choices well separated. Llama 4's
+    stacked experts are input-major ([E, in, out]): their fan-in is the middle dimension."""
+    input_major = model.config.model_type.startswith("llama4")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, 1.0)
+            else:
+                fan_in = param.shape[-2] if input_major and param.dim() == 3 else param.shape[-1]
+                param.normal_(0.0, fan_in**-0.5)
+
+
+def make_moe_model(root: Path, name: str, seed: int = 0) -> Path:
+    """The seeded random checkpoint of MOE_CASES[name], saved by transformers with the tiny tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = MOE_CASES[name]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(model_type, **overrides), dtype=torch.float32)
+    randomize(model)
+    folder = root / f"{name}-{seed}"
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
 # --------------------------------------------------------------------------------------- GGUF
 
 _GGUF_LAYER = {
