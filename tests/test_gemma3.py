@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import CONVERSATIONS, SAMPLES
+from helpers import CONVERSATIONS, SAMPLES, assert_close
 from tiny import hf_to_gguf, load_reference, make_spm_gguf, make_tiny_hf_model, reference_logits
 
 from quickdraft import zoo
@@ -110,13 +110,6 @@ def tiny(tiny_dir: Path) -> Any:
 
     yield get
     _TINY.clear()
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
-    assert actual.shape == expected.shape
-    scale = max(1.0, float(expected.abs().max()))
-    diff = float((actual - expected).abs().max())
-    assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} * scale {scale:.3g}"
 
 
 # ------------------------------------------------------------------------ tiny: vs transformers

@@ -5,8 +5,9 @@ loader, so config parsing, the checkpoint layouts (per-expert, stacked, Llama 4'
 routing and the forward pass are checked together against transformers' logits (fp32). Then the
 cache paths (prefill + decode, chunks crossing Llama 4's attention chunks, rollback), the batch
 invariance that keeps speculation lossless (the MoE block and the whole model, bitwise, in fp32
-and bf16), and greedy speculative decoding through the engine (scripted drafts that are all
-right, all wrong or partly right, n-gram lookup, a draft model) equal to plain decoding.
+and bf16). mixtral, qwen2_moe, qwen3_moe and llama4 are rows of tests/test_families.py, which
+runs greedy speculative decoding through the engine (scripted drafts, trees, n-gram lookup, draft
+models) against plain decoding for every family.
 
 One compute thread, as in test_spec.py: tiny passes on a busy 2-core machine are faster so.
 """
@@ -22,14 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Case, check_scripted, make_case, perturbed_copy
+from helpers import assert_close, check_scripted, make_case
 from safetensors.torch import save_file
 from tiny import (
     MOE_CASES,
     hf_to_gguf,
     load_reference,
     make_moe_model,
-    make_tiny_hf_model,
     moe_config,
     randomize,
     reference_logits,
@@ -43,25 +43,12 @@ from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import MLP
 from quickdraft.models.moe import SparseMoE, convert_expert_layouts, route
 from quickdraft.quant.ggml import GGMLLinear
-from quickdraft.speculative.draft_model import DraftModelDrafter
-from quickdraft.speculative.ngram import NGramDrafter
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox!"
-SPEC_PROMPT = "for i in range(10):\n    print(i, i * i)\nfor i in range(10):\n    print(i"
-SPEC_N = 32  # greedy tokens per speculative run
 
-SPEC_CASES = ["mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread per module
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
-    """Max abs difference within ``rel`` times the logits' scale (max |logit|, at least 1)."""
-    assert actual.shape == expected.shape
-    scale = max(1.0, float(expected.abs().max()))
-    diff = float((actual - expected).abs().max())
-    assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} * scale {scale:.3g}"
 
 
 class Tiny:
@@ -432,50 +419,6 @@ def test_llama4_tree_rows_match_chains(tiny: Any) -> None:
         chain = [model(torch.tensor([tok]), cache)[0][0] for tok in [root_tok, *branch]]
         for row, logits in zip(rows, chain, strict=True):
             assert torch.equal(tree[row], logits), f"tree row {row}"
-
-
-# ------------------------------------------------------------------- speculative == plain greedy
-
-
-@pytest.fixture(scope="module")
-def draft_llama(root: Path) -> LoadedModel:
-    """A dense tiny llama with the same tokenizer: an unrelated draft, right now and then."""
-    return load_model(str(make_tiny_hf_model(root, "llama", seed=8)), dtype="float32", max_context=256)
-
-
-_CASES: dict[str, Case] = {}
-
-
-@pytest.fixture(scope="module")
-def spec_case(tiny: Any) -> Iterator[Any]:
-    def get(name: str) -> Case:
-        if name not in _CASES:
-            _CASES[name] = make_case(tiny(name).loaded, SPEC_PROMPT, SPEC_N)
-        return _CASES[name]
-
-    yield get
-    _CASES.clear()
-
-
-@pytest.mark.parametrize("kind", ["oracle", "wrong", "partly"])
-@pytest.mark.parametrize("name", SPEC_CASES)
-def test_scripted_drafts_match_plain_greedy(spec_case: Any, name: str, kind: str) -> None:
-    check_scripted(spec_case(name), kind, 4)
-
-
-@pytest.mark.parametrize("name", SPEC_CASES)
-def test_ngram_and_draft_models_match_plain_greedy(spec_case: Any, draft_llama: LoadedModel, name: str) -> None:
-    case = spec_case(name)
-    run = case.spec(NGramDrafter(min_ngram=1), 3)
-    assert run.ids == case.truth and run.stats.drafted > 0
-    run = case.spec(DraftModelDrafter(draft_llama.model, case.vocab), 3)
-    assert run.ids == case.truth and run.stats.drafted > 0
-    near = perturbed_copy(case.loaded.path, seed=5, scale=0.3)  # an MoE draft, often right
-    run = case.spec(DraftModelDrafter(near.model, case.vocab), 4)
-    assert run.ids == case.truth
-    assert 0 < run.stats.accepted < run.stats.drafted
-    run = case.spec(DraftModelDrafter(case.loaded.model, case.vocab), 5)  # itself: all accepted
-    assert run.ids == case.truth and run.stats.accepted == run.stats.drafted > 0
 
 
 def test_moe_config_defaults_leave_dense_models_alone() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_close
 from tiny import hf_to_gguf, load_reference, make_tiny_hf_model, reference_logits
 
 from quickdraft.config import ModelConfig
@@ -80,13 +81,6 @@ def tiny(tiny_dir: Path) -> Any:
 
     yield get
     _TINY.clear()
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
-    assert actual.shape == expected.shape
-    scale = max(1.0, float(expected.abs().max()))
-    diff = float((actual - expected).abs().max())
-    assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} * scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

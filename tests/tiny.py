@@ -106,7 +106,7 @@ _ARCH_DEFAULTS["gpt_oss"] = {
 # Gemma 4 (the small models' layout): full-attention layers with twice the head size and
 # proportional RoPE, a window (5) shorter than the texts, the last two layers reusing the first
 # two's keys and values with double-wide MLPs, per-layer embeddings, soft-capped logits. The MoE
-# layout (routed experts beside the MLP, keys as values): overrides, see tests/test_gemma4.py.
+# layout (routed experts beside the MLP, keys as values): the overrides GEMMA4_MOE.
 _ARCH_DEFAULTS["gemma4_text"] = {
     "head_dim": 16,
     "global_head_dim": 32,
@@ -122,6 +122,11 @@ _ARCH_DEFAULTS["gemma4_text"] = {
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
     },
 }
+# The Gemma 4 MoE layout (Gemma 4 26B-A4B's kind): four experts (top 2) beside every MLP,
+# full-attention layers without v_proj and with one KV head, no KV sharing or per-layer embeddings.
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64,
+              "attention_k_eq_v": True, "num_global_key_value_heads": 1, "num_kv_shared_layers": 0,
+              "hidden_size_per_layer_input": 0}
 SUPPORTED_TYPES = tuple(_ARCH_DEFAULTS)
 
 
