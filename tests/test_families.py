@@ -184,9 +184,15 @@ def draft_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(str(folder), dtype="float32", max_context=256)
 
 
-def test_ngram_and_draft_models_match_plain_greedy(family: Family, case: Case, draft_llama: LoadedModel) -> None:
-    run_ = case.spec(NGramDrafter(max_ngram=3, min_ngram=1), 4)
-    assert run_.ids == case.truth and run_.stats.drafted > 0
+@pytest.mark.parametrize("k", [2, 6])
+def test_ngram_matches_plain_greedy(loaded: LoadedModel, k: int) -> None:
+    prompt = tokens(5, 90, loaded.config.vocab_size)  # repeats: the n-grams find matches
+    truth = generate(loaded, prompt, max_tokens=30, ignore_eos=True).ids
+    run_ = Case(loaded, prompt, truth).spec(NGramDrafter(max_ngram=3, min_ngram=1), k)
+    assert run_.ids == truth and run_.stats.drafted > 0
+
+
+def test_draft_models_match_plain_greedy(family: Family, case: Case, draft_llama: LoadedModel) -> None:
     run_ = case.spec(DraftModelDrafter(draft_llama.model, case.vocab), 3)
     assert run_.ids == case.truth and run_.stats.drafted > 0
     if family.recurrent:  # as a draft model itself: its state cannot go back between its one-row proposal passes

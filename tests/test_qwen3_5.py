@@ -267,14 +267,6 @@ def test_tree_drafters_match_plain_greedy(case: Case, shape: str) -> None:
     assert torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length]) and same_states(a, b)
 
 
-@pytest.mark.parametrize("k", [2, 6])
-def test_ngram_matches_plain_greedy(hybrid: LoadedModel, k: int) -> None:
-    prompt = tokens(5, 90, hybrid.config.vocab_size)  # repeats: the n-grams find matches
-    truth = generate(hybrid, prompt, max_tokens=30, ignore_eos=True).ids
-    run_ = Case(hybrid, prompt, truth).spec(NGramDrafter(max_ngram=3, min_ngram=1), k)
-    assert run_.ids == truth and run_.stats.drafted > 0
-
-
 # ------------------------------------------------------------------------- MTP: the model's own drafter
 
 
