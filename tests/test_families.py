@@ -199,7 +199,7 @@ def test_draft_models_match_plain_greedy(family: Family, case: Case, draft_llama
         return
     near = perturbed_copy(case.loaded.path, seed=5, scale=0.3)  # a draft of the family, often right
     run_ = case.spec(DraftModelDrafter(near.model, case.vocab), 4)
-    assert run_.ids == case.truth and run_.stats.drafted > 0
+    assert run_.ids == case.truth and 0 < run_.stats.accepted < run_.stats.drafted
     run_ = case.spec(DraftModelDrafter(case.loaded.model, case.vocab), 5)  # itself: all accepted
     assert run_.ids == case.truth and run_.stats.accepted == run_.stats.drafted > 0
 
