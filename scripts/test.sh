@@ -5,8 +5,9 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 .venv/bin/ruff check quickdraft tests benchmarks
 .venv/bin/mypy quickdraft
-# Two worker processes (pytest-xdist), each test file on one of them (its module fixtures, the
-# models it loads, built once): servers listen on port 0, the user cache is written by atomic
-# renames (quickdraft.kept) and downloads under a lock, torch threads are per process. "-n 0"
-# after it runs the suite in this process.
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+# Two worker processes (pytest-xdist): each takes a run of consecutive tests (a file's module
+# fixtures, the models it loads, mostly built once) and takes over the other's queue when its own
+# is done. Tests can run side by side: servers listen on port 0, the user cache is written by
+# atomic renames (quickdraft.kept) and downloads under a lock, torch threads are per process.
+# "-n 0" after it runs the suite in this process.
+.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
