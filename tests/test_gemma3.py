@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import CONVERSATIONS, SAMPLES, assert_close
+from helpers import CONVERSATIONS, SAMPLES, assert_close, generate
 from tiny import hf_to_gguf, load_reference, make_spm_gguf, make_tiny_hf_model, reference_logits
 
 from quickdraft import zoo
@@ -323,17 +323,11 @@ def test_rows_are_batch_invariant_with_windows(tiny: Any) -> None:
     assert torch.equal(block, single)
 
 
-def _greedy(loaded: LoadedModel, prompt: list[int], n: int, drafter: Any = None, k: int = 0) -> list[int]:
-    engine = Engine(loaded.model, loaded.tokenizer)
-    params = SamplingParams(max_tokens=n, ignore_eos=True)
-    return [tok for step in engine.generate(prompt, params, drafter, k) for tok in step.token_ids]
-
-
 @pytest.mark.parametrize("k", [2, 5])
 def test_ngram_speculation_equals_plain_greedy(tiny: Any, k: int) -> None:
     t = tiny("gemma3-tied")
     prompt = t.loaded.tokenizer.encode(LONG_TEXT)[:40]
-    plain = _greedy(t.loaded, prompt, 40)
+    plain = generate(t.loaded, prompt, max_tokens=40, ignore_eos=True).ids
     engine = Engine(t.loaded.model, t.loaded.tokenizer)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     steps = list(engine.generate(prompt, params, NGramDrafter(min_ngram=1), k))
@@ -577,9 +571,9 @@ def test_gemma_270m_quantized_greedy_ngram_equals_plain(gemma_gguf: Path) -> Non
     token-identical to plain greedy decoding on it."""
     loaded = load_model(str(gemma_gguf), max_context=256)
     ids = loaded.tokenizer.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n")
-    plain = _greedy(loaded, ids, 24)
+    plain = generate(loaded, ids, max_tokens=24, ignore_eos=True).ids
     assert len(plain) == 24 and "return" in loaded.tokenizer.decode(plain)
-    assert _greedy(loaded, ids, 24, NGramDrafter(min_ngram=1), 4) == plain
+    assert generate(loaded, ids, NGramDrafter(min_ngram=1), 4, max_tokens=24, ignore_eos=True).ids == plain
 
 
 @pytest.mark.slow

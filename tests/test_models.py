@@ -15,13 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, generate
 from tiny import hf_to_gguf, load_reference, make_tiny_hf_model, reference_logits
 
-from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.sampling import SamplingParams
 
 TEXT = "def fibonacci(n):\n    return the quick brown fox!"
 
@@ -268,12 +266,6 @@ def _hf_from_gguf(path: Path) -> Any:
     ).eval()
 
 
-def _greedy(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:
-    engine = Engine(loaded.model, loaded.tokenizer)
-    params = SamplingParams(max_tokens=n, ignore_eos=True)
-    return [tok for step in engine.generate(ids, params) for tok in step.token_ids]
-
-
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf: Path) -> LoadedModel:
     return load_model(str(smollm2_gguf), dtype="float32", max_context=256)
@@ -286,7 +278,7 @@ def smollm2_reference(smollm2_gguf: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def smollm2_greedy(smollm2: LoadedModel) -> list[int]:
-    return _greedy(smollm2, smollm2.tokenizer.encode(PROMPT), 64)
+    return generate(smollm2, smollm2.tokenizer.encode(PROMPT), max_tokens=64, ignore_eos=True).ids
 
 
 @pytest.mark.slow
@@ -333,7 +325,7 @@ def test_smollm2_bfloat16_greedy_starts_like_float32(
     ids = bf16.tokenizer.encode(PROMPT)
     logits, _ = bf16.model(torch.tensor(ids), bf16.model.new_cache())
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
-    assert _greedy(bf16, ids, 8) == smollm2_greedy[:8]
+    assert generate(bf16, ids, max_tokens=8, ignore_eos=True).ids == smollm2_greedy[:8]
 
 
 @pytest.mark.slow
