@@ -344,12 +344,12 @@ def test_families_that_convert_checkpoints_say_so() -> None:
     no prepared copy of the file's tensors), and one that does not leaves both alone."""
     import importlib
 
-    from quickdraft.models import _MODULE, ARCHITECTURES
+    from quickdraft.config import family_module, model_types
     from quickdraft.models.causal_lm import CausalLM
 
     converting = set()
-    for arch in ARCHITECTURES:
-        cls = importlib.import_module(f"quickdraft.models.{_MODULE.get(arch, arch)}").CausalLM
+    for arch in model_types():
+        cls = importlib.import_module(str(family_module(arch))).CausalLM
         assert issubclass(cls, CausalLM)
         overrides = cls.convert_checkpoint is not CausalLM.convert_checkpoint
         assert cls.converts_checkpoint == overrides, arch

@@ -95,8 +95,9 @@ def hf_config_dict(cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """
     d: dict[str, Any] = {k: v for k, v in cfg.extra.items() if k != "quantization_config"}
     for f in dataclasses.fields(cfg):
-        if f.name not in ("extra", "qk_norm"):
+        if f.name not in ("extra", "qk_norm", "family"):
             d[f.name] = getattr(cfg, f.name)
+    d.update(dataclasses.asdict(cfg.family))  # (a family's own fields have their config.json names)
     d["use_sliding_window"] = cfg.sliding_window is not None
     if cfg.model_type in _ARCHITECTURES:
         d.setdefault("architectures", [_ARCHITECTURES[cfg.model_type]])
