@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from quickdraft.errors import QuickdraftError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 # --dtype values: "auto" keeps GGUF weights quantized (CPU kernels); the rest dequantize.
@@ -285,6 +286,10 @@ def _same_config(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _tensor_as_is(name: str, w: np.ndarray) -> np.ndarray:
+    return w
+
+
 def _freq_factors(cfg: ModelConfig, factors: list[float]) -> ModelConfig:
     return dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors})
 
@@ -314,6 +319,8 @@ class Family:
     gguf_norm_plus_one: bool = False  # norm weights stored as 1 + w (llama.cpp adds the 1 Gemma's RMSNorm adds) ...
     gguf_norms_as_is: tuple[str, ...] = ()  # ... except these
     gguf_mtp_blocks: bool = False  # blocks past num_hidden_layers are multi-token-prediction blocks
+    # (HF name, a float tensor as llama.cpp stores it) -> the checkpoint's value and shape
+    gguf_tensor: Callable[[str, np.ndarray], np.ndarray] = _tensor_as_is
     # a GGUF's rope_freqs divisors -> the config (default: Llama 3.1's per-frequency scaling)
     with_rope_factors: Callable[[ModelConfig, list[float]], ModelConfig] = _freq_factors
 

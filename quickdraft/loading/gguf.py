@@ -325,11 +325,8 @@ def iter_tensors(
             w = _unpermute(w, cfg.num_key_value_heads)
         if family.gguf_norm_plus_one and t.name.endswith("norm.weight") and not t.name.endswith(family.gguf_norms_as_is):
             w = w - np.float32(1.0)
-        if name.endswith(".A_log"):  # llama.cpp stores A = -exp(A_log)
-            w = np.log(-w)
-        elif name.endswith(".conv1d.weight"):  # [C, K] -> the depthwise Conv1d's [C, 1, K]
-            w = w[:, None, :]
-        elif name.endswith(".shared_expert_gate.weight") and w.ndim == 1:  # llama.cpp's [H] -> the gate's [1, H]
+        w = family.gguf_tensor(name, w)
+        if name.endswith(".shared_expert_gate.weight") and w.ndim == 1:  # llama.cpp's [H] -> the gate's [1, H]
             w = w[None, :]
         yield name, torch.from_numpy(np.ascontiguousarray(w))
     dequantized.report()

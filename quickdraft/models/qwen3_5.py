@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -192,6 +193,15 @@ _GGUF_MOE_TENSOR_NAMES = _GGUF_TENSOR_NAMES | GGUF_MOE_TENSOR_NAMES
 # Qwen3-Next: Qwen3.5's names, its b / a projections still fused (grouped per key head, split at load)
 _GGUF_NEXT_TENSOR_NAMES = _GGUF_MOE_TENSOR_NAMES | {"ssm_ba.weight": "linear_attn.in_proj_ba.weight"}
 
+def _gguf_tensor(name: str, w: np.ndarray) -> np.ndarray:
+    """A Gated DeltaNet tensor as the checkpoint holds it."""
+    if name.endswith(".A_log"):  # llama.cpp stores A = -exp(A_log)
+        return np.log(-w)
+    if name.endswith(".conv1d.weight"):  # [C, K] -> the depthwise Conv1d's [C, 1, K]
+        return w[:, None, :]
+    return w
+
+
 # GGUFs: the norms outside the Gated DeltaNet's gated one stored as 1 + w (Gemma's form), blocks
 # past the model's layers multi-token-prediction ones; top-k weights renormalised (llama.cpp's
 # default for the MoE architectures).
@@ -202,7 +212,7 @@ FAMILY = Family(
     gguf_norm_topk=True,
     gguf_tensor_names={"qwen3_5": _GGUF_TENSOR_NAMES, "qwen3_5_moe": _GGUF_MOE_TENSOR_NAMES,
                        "qwen3_next": _GGUF_NEXT_TENSOR_NAMES},
-    gguf_norm_plus_one=True, gguf_norms_as_is=("ssm_norm.weight",), gguf_mtp_blocks=True,
+    gguf_norm_plus_one=True, gguf_norms_as_is=("ssm_norm.weight",), gguf_mtp_blocks=True, gguf_tensor=_gguf_tensor,
 )
 
 
