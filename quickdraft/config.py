@@ -302,6 +302,7 @@ class Family:
     its GGUF tensors. Nothing outside the module names the family: :func:`family_of` finds it."""
 
     model_types: tuple[str, ...]  # HF model_type values
+    hf_architecture: str = ""  # the transformers class a config.json quickdraft writes names ("": none)
     fields: type[FamilyFields] = FamilyFields
     # config.json -> the fields it reads differently from _shared_hf_fields (``family`` included)
     read_hf: Callable[[dict[str, Any]], ConfigUpdate] = _no_hf_update

@@ -19,4 +19,4 @@ def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
     return {"sliding_window": d.get("sliding_window") if d.get("use_sliding_window", True) else None}
 
 
-FAMILY = Family(model_types=("mistral",), read_hf=_hf_fields)
+FAMILY = Family(model_types=("mistral",), hf_architecture="MistralForCausalLM", read_hf=_hf_fields)

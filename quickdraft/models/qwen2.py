@@ -18,4 +18,5 @@ def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
     return {"attention_bias": bool(d.get("attention_bias", True))}
 
 
-FAMILY = Family(model_types=("qwen2",), read_hf=_hf_fields, gguf_archs={"qwen2": "qwen2"})
+FAMILY = Family(model_types=("qwen2",), hf_architecture="Qwen2ForCausalLM", read_hf=_hf_fields,
+                gguf_archs={"qwen2": "qwen2"})

@@ -17,4 +17,5 @@ def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
     return {"qk_norm": True}
 
 
-FAMILY = Family(model_types=("qwen3",), read_hf=_hf_fields, gguf_archs={"qwen3": "qwen3"})
+FAMILY = Family(model_types=("qwen3",), hf_architecture="Qwen3ForCausalLM", read_hf=_hf_fields,
+                gguf_archs={"qwen3": "qwen3"})
