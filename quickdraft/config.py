@@ -346,6 +346,13 @@ def _registry() -> _Registry:
         family = importlib.import_module(f"{models.__name__}.{info.name}").FAMILY
         if not isinstance(family, Family):
             raise TypeError(f"quickdraft.models.{info.name}.FAMILY is not a Family")
+        claimed = (
+            registry.families.keys() & set(family.model_types)
+            | registry.gguf.keys() & set(family.gguf_archs)
+            | registry.wrappers.keys() & set(family.hf_wrappers)
+        )
+        if claimed:
+            raise TypeError(f"quickdraft.models.{info.name} claims {sorted(claimed)}, which another family builds")
         for model_type in family.model_types:
             registry.modules[model_type] = f"{models.__name__}.{info.name}"
             registry.families[model_type] = family
