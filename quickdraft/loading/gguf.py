@@ -100,8 +100,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     keys here; the family's own (and its conventions for shared ones) by its
     :attr:`Family.read_gguf`; routed experts from llama.cpp's common ``expert_*`` keys unless the
     family reads its own."""
-    arch = str(meta.get("general.architecture"))
-    found = gguf_family(arch)
+    arch = meta.get("general.architecture")
+    found = gguf_family(str(arch))
     if found is None:
         supported = ", ".join(sorted(gguf_architectures()))
         raise QuickdraftError(f"GGUF architecture {arch!r} is not supported; supported: {supported}")
