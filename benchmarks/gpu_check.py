@@ -90,11 +90,11 @@ def greedy(
 def check_correctness(device: str, quick: bool) -> dict[str, Any]:
     from tiny import make_tiny_hf_model
 
-    from quickdraft import models
+    from quickdraft.config import model_types
     from quickdraft.speculative.draft_model import DraftModelDrafter
     from quickdraft.speculative.ngram import NGramDrafter
 
-    archs = ["llama", "qwen2", "qwen3"] + [a for a in ("mixtral", "qwen3_moe", "qwen2_moe") if a in getattr(models, "MOE", ())]
+    archs = ["llama", "qwen2", "qwen3"] + [a for a in ("mixtral", "qwen3_moe", "qwen2_moe") if a in model_types()]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs[:2] if quick else archs:

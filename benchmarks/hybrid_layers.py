@@ -27,11 +27,16 @@ import torch
 
 from quickdraft.bench.report import environment
 from quickdraft.cache import HybridCache
-from quickdraft.config import DEFAULT_DRAFT_VOCAB, FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from quickdraft.config import DEFAULT_DRAFT_VOCAB, ModelConfig
 from quickdraft.engine import Engine
 from quickdraft.loading.load import resolve
 from quickdraft.models.layers import Step, causal_mask
-from quickdraft.models.qwen3_5 import CausalLM
+from quickdraft.models.qwen3_5 import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    CausalLM,
+    GatedDeltaNetFields,
+)
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
 from quickdraft.tokenizer import Tokenizer
@@ -44,8 +49,9 @@ def config(layers: int, vocab: int) -> ModelConfig:
     return ModelConfig(
         model_type="qwen3_5", vocab_size=vocab, hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, rope_theta=1e7, max_position_embeddings=4096,
-        layer_types=kinds, partial_rotary_factor=0.25, qk_norm=True, attn_output_gate=True, linear_conv_kernel_dim=4,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+        layer_types=kinds, partial_rotary_factor=0.25, qk_norm=True,
+        family=GatedDeltaNetFields(attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                                   linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16),
     )
 
 

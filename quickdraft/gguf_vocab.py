@@ -24,7 +24,7 @@ from tokenizers.models import BPE
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf_file import GGUFHeader
-from quickdraft.tokenizer import Specials, set_post_processor
+from quickdraft.special_tokens import Specials, set_post_processor
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
 _CONTROL = 3

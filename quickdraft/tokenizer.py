@@ -13,15 +13,14 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _Backend
-from tokenizers import processors
 
 from quickdraft.chat_template import render_chat_template
 from quickdraft.errors import QuickdraftError
+from quickdraft.special_tokens import Specials, set_post_processor
 
 # Tokens chat formats end a turn with. A generation stops on these as well as on EOS, the way
 # llama.cpp marks "end of generation" tokens and Hugging Face generation configs list several ids
@@ -38,20 +37,6 @@ _END_OF_TURN = (
     "<|call|>",
     "<｜end▁of▁sentence｜>",
 )
-
-
-@dataclass(frozen=True)
-class Specials:
-    """Special token ids and strings, gathered once from whichever source the tokenizer came from."""
-
-    bos_id: int | None = None
-    eos_id: int | None = None
-    unk_id: int | None = None
-    pad_id: int | None = None
-    extra_eos_ids: frozenset[int] = frozenset()
-    add_bos: bool = False
-    add_eos: bool = False
-    strings: Mapping[str, str] = field(default_factory=dict)
 
 
 # Backends built by Tokenizer.from_state, by the hash of their JSON: read-only once built, so
@@ -256,25 +241,6 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
             f"eos_ids={sorted(self.eos_ids)}, chat_template={self.chat_template is not None})"
         )
-
-
-def set_post_processor(backend: _Backend, specials: Specials) -> None:
-    """BOS/EOS around every encoded text, exactly as the model's flags say (transformers'
-    ``update_post_processor``)."""
-    bos = specials.strings.get("bos_token")
-    eos = specials.strings.get("eos_token")
-    add_bos = specials.add_bos and bos is not None and specials.bos_id is not None
-    add_eos = specials.add_eos and eos is not None and specials.eos_id is not None
-    single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
-    pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
-    special_tokens = []
-    if add_bos:
-        special_tokens.append((bos, specials.bos_id))
-    if add_eos:
-        special_tokens.append((eos, specials.eos_id))
-    backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=special_tokens
-    )
 
 
 def _eos_ids(backend: _Backend, specials: Specials) -> frozenset[int]:

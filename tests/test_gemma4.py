@@ -64,7 +64,7 @@ def test_config_has_what_each_layout_claims(folders: dict[str, Path], name: str)
     than the texts, proportional RoPE; the MoE layout's cache: one group per head shape."""
     loaded = load_model(str(folders[name]), dtype="float32", max_context=256)
     cfg = loaded.config
-    assert cfg.model_type == "gemma4_text" and cfg.global_head_dim == 32 and cfg.sliding_window == 5
+    assert cfg.model_type == "gemma4_text" and cfg.family.global_head_dim == 32 and cfg.sliding_window == 5
     assert (cfg.rope_scaling or {}).get("rope_type") == "proportional"
     assert len(loaded.tokenizer.encode(TEXT)) > 64
     if name == "moe":
@@ -119,7 +119,7 @@ def test_vision_language_checkpoint_runs_its_text_model(tmp_path: Path, folders:
                 "model.audio_tower.layers.0.norm.weight": torch.zeros(4)}
     save_file(weights, str(folder / "model.safetensors"))
     vl = load_model(str(folder), dtype="float32", max_context=256)
-    assert vl.config.model_type == "gemma4_text" and vl.config.global_head_dim == 32
+    assert vl.config.model_type == "gemma4_text" and vl.config.family.global_head_dim == 32
     assert vl.config.layer_pattern() == ("4 layers: 2 sliding_attention + 2 full_attention, "
                                         "the last 2 reusing earlier layers' keys and values")
     ids = small.tokenizer.encode(TEXT)[:40]
@@ -130,7 +130,7 @@ def test_configs_quickdraft_cannot_run_are_refused() -> None:
     base = {"model_type": "gemma4_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
             "num_hidden_layers": 2, "num_attention_heads": 2, "layer_types": ["sliding_attention", "full_attention"]}
     cfg = ModelConfig.from_hf_dict(base)
-    assert cfg.global_head_dim == 512 and cfg.hidden_size_per_layer_input == 256 and cfg.tie_word_embeddings
+    assert cfg.family.global_head_dim == 512 and cfg.family.hidden_size_per_layer_input == 256 and cfg.tie_word_embeddings
     with pytest.raises(QuickdraftError, match="bidirectional"):
         ModelConfig.from_hf_dict(base | {"use_bidirectional_attention": "all"})
     with pytest.raises(QuickdraftError, match="per_layer_config"):
@@ -150,14 +150,15 @@ def test_gguf_matches_transformers(folders: dict[str, Path], tmp_path: Path, nam
     loaded = load_model(str(path), dtype="float32", max_context=256)
     want = load_model(str(folders[name]), dtype="float32", max_context=256).config
     got = loaded.config
-    for field in ("layer_types", "head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads",
-                  "attention_k_eq_v", "num_kv_shared_layers", "hidden_size_per_layer_input",
-                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "sliding_window", "rope_theta",
-                  "rope_local_theta", "final_logit_softcapping"):
+    for field in ("layer_types", "head_dim", "num_key_value_heads", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "sliding_window", "rope_theta", "rope_local_theta", "final_logit_softcapping"):
         assert getattr(got, field) == getattr(want, field), field
+    for field in ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "num_kv_shared_layers",
+                  "hidden_size_per_layer_input"):  # Gemma 4's own fields
+        assert getattr(got.family, field) == getattr(want.family, field), field
     assert got.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     # (double-wide MLPs only exist on KV-sharing layers: the MoE layout has none)
-    assert got.use_double_wide_mlp == (want.use_double_wide_mlp and want.num_kv_shared_layers > 0)
+    assert got.family.use_double_wide_mlp == (want.family.use_double_wide_mlp and want.family.num_kv_shared_layers > 0)
     assert (want.rope_scaling or {})["partial_rotary_factor"] == 0.25
     ids = loaded.tokenizer.encode(TEXT)
     assert (logits(loaded, ids) - reference_logits(load_reference(folders[name]), ids)).abs().max() < 1e-4

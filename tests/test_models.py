@@ -344,12 +344,12 @@ def test_families_that_convert_checkpoints_say_so() -> None:
     no prepared copy of the file's tensors), and one that does not leaves both alone."""
     import importlib
 
-    from quickdraft.models import _MODULE, ARCHITECTURES
+    from quickdraft.config import family_module, model_types
     from quickdraft.models.causal_lm import CausalLM
 
     converting = set()
-    for arch in ARCHITECTURES:
-        cls = importlib.import_module(f"quickdraft.models.{_MODULE.get(arch, arch)}").CausalLM
+    for arch in model_types():
+        cls = importlib.import_module(str(family_module(arch))).CausalLM
         assert issubclass(cls, CausalLM)
         overrides = cls.convert_checkpoint is not CausalLM.convert_checkpoint
         assert cls.converts_checkpoint == overrides, arch
@@ -357,3 +357,30 @@ def test_families_that_convert_checkpoints_say_so() -> None:
             converting.add(arch)
     assert {"mixtral", "gpt_oss", "qwen3_5", "gemma4_text"} <= converting
     assert not converting & {"llama", "qwen2", "qwen3", "mistral", "phi3"}
+
+
+def test_each_family_is_one_module_whose_config_round_trips() -> None:
+    """Every module of quickdraft.models but the shared ones declares a Family that builds its own
+    model types (found back by model type and GGUF architecture), and a config of each type with
+    the family's own fields reads back equal from its JSON form (prepared weights keep it so)."""
+    import importlib
+    import json
+    import pkgutil
+
+    import quickdraft.models as models
+    from quickdraft.config import Family, ModelConfig, family_module, family_of, gguf_family
+
+    shape = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4}
+    names = [m.name for m in pkgutil.iter_modules(models.__path__) if m.name not in models.SHARED_MODULES]
+    assert {"llama", "gemma4", "qwen3_5"} <= set(names)
+    for name in names:
+        family = importlib.import_module(f"quickdraft.models.{name}").FAMILY
+        assert isinstance(family, Family) and family.model_types, name
+        for arch, model_type in family.gguf_archs.items():
+            assert gguf_family(arch) == (model_type, family) and model_type in family.model_types, arch
+        for model_type in family.model_types:
+            assert family_of(model_type) is family and family_module(model_type) == f"quickdraft.models.{name}"
+            cfg = ModelConfig.from_hf_dict({**shape, "model_type": model_type})
+            assert isinstance(cfg.family, family.fields), model_type
+            assert ModelConfig.from_json_dict(json.loads(json.dumps(cfg.to_json_dict()))) == cfg, model_type

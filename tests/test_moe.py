@@ -133,7 +133,7 @@ def test_cases_exercise_what_they_claim(tiny: Any) -> None:
     llama4 = tiny("llama4")
     cfg = llama4.loaded.config
     assert sparse_layers(llama4.model) == [1, 3] and cfg.intermediate_size == 128
-    assert cfg.attention_chunk_size == 8 < len(llama4.ids)
+    assert cfg.family.attention_chunk_size == 8 < len(llama4.ids)
     attn = [layer.self_attn for layer in llama4.model.model.layers]
     assert [a.use_rope for a in attn] == [True, False, True, True]
     assert [a.chunk for a in attn] == [8, None, None, 8]
@@ -427,8 +427,8 @@ def test_moe_config_defaults_leave_dense_models_alone() -> None:
          "num_hidden_layers": 1, "num_attention_heads": 2}
     )
     dense = dataclasses.asdict(cfg)
-    assert dense["num_experts"] == 0 and dense["attention_chunk_size"] is None and dense["no_rope_layers"] == ()
-    assert not dense["qk_l2_norm"] and not dense["attn_temperature_tuning"]
+    assert dense["num_experts"] == 0 and dense["num_experts_per_tok"] == 0 and dense["moe_intermediate_size"] == 0
+    assert dense["family"] == {}  # none of Llama 4's chunked attention, NoPE layers, q/k L2 norm, temperature
 
 
 # ------------------------------------------------------------------------------------ GGUF

@@ -404,7 +404,7 @@ def test_gguf_matches_transformers_and_carries_its_mtp_layer(with_mtp: LoadedMod
     path = qwen3_5_to_gguf(with_mtp.path, tmp_path / "q35.gguf")
     g = load_model(str(path), dtype="float32", max_context=256)
     assert g.config.model_type == "qwen3_5" and g.config.num_hidden_layers == 3
-    assert g.config.layer_types == (LIN, FULL, LIN) and g.config.linear_value_heads_tiled
+    assert g.config.layer_types == (LIN, FULL, LIN) and g.config.family.linear_value_heads_tiled
     ids = g.tokenizer.encode(TEXT)[:32]
     want = reference_logits(load_reference(folders["hybrid"]), ids)
     assert (logits(g, ids) - want).abs().max() < 1e-4

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quickdraft import __version__
-from quickdraft.config import ModelConfig
+from quickdraft.config import ModelConfig, family_of
 from quickdraft.errors import QuickdraftError
 from quickdraft.quant.fp8 import DEFAULT_BLOCK, OBSERVERS, FP8Linear, quantize_fp8
 from quickdraft.tokenizer import Tokenizer
@@ -43,10 +43,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
 _KEPT_MODULES = ("gate",)  # MoE routers: tiny, and their choices are sensitive to rounding
 
 
@@ -95,11 +91,13 @@ def hf_config_dict(cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """
     d: dict[str, Any] = {k: v for k, v in cfg.extra.items() if k != "quantization_config"}
     for f in dataclasses.fields(cfg):
-        if f.name not in ("extra", "qk_norm"):
+        if f.name not in ("extra", "qk_norm", "family"):
             d[f.name] = getattr(cfg, f.name)
+    d.update(dataclasses.asdict(cfg.family))  # (a family's own fields have their config.json names)
     d["use_sliding_window"] = cfg.sliding_window is not None
-    if cfg.model_type in _ARCHITECTURES:
-        d.setdefault("architectures", [_ARCHITECTURES[cfg.model_type]])
+    family = family_of(cfg.model_type)
+    if family is not None and family.hf_architecture:
+        d.setdefault("architectures", [family.hf_architecture])
     d.setdefault("hidden_act", "silu")
     if tokenizer.bos_id is not None:
         d["bos_token_id"] = tokenizer.bos_id

@@ -55,7 +55,7 @@ from quickdraft.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from quickdraft.models.causal_lm import CausalLM
 
-FORMAT = 1  # bump when the folder's layout or meaning changes
+FORMAT = 2  # bump when the folder's layout or meaning changes (2: the config keeps a family's own fields apart)
 MIN_BYTES = 32 << 20
 MAX_ENTRIES = 8
 _ALIGN = 64

@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import ModelConfig, model_types
 from quickdraft.errors import QuickdraftError
-from quickdraft.models import ARCHITECTURES
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -19,7 +18,7 @@ def read_config(folder: Path) -> ModelConfig:
     if not path.is_file():
         raise QuickdraftError(f"{folder} has no config.json; pass a Hugging Face model folder or a .gguf file")
     try:
-        return ModelConfig.from_hf_dict(json.loads(path.read_text()), supported=ARCHITECTURES)
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()), supported=model_types())
     except json.JSONDecodeError as exc:
         raise QuickdraftError(f"{path} is not valid JSON: {exc}") from None
 

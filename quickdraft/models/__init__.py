@@ -1,4 +1,6 @@
-"""Model architectures, one module per Hugging Face ``model_type``."""
+"""Model architectures, one module per family (Hugging Face ``model_type``): each declares its
+:class:`~quickdraft.config.Family` as ``FAMILY`` and its ``CausalLM``; the modules in
+:data:`SHARED_MODULES` hold the pieces families share."""
 
 from __future__ import annotations
 
@@ -6,21 +8,16 @@ import importlib
 
 from torch import nn
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import ModelConfig, family_module, model_types
 from quickdraft.errors import QuickdraftError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "qwen3_5", "gemma4_text")
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "llama4_text", "qwen3_5_moe", "qwen3_next", "gpt_oss")  # mixture-of-experts families
-ARCHITECTURES: tuple[str, ...] = SUPPORTED + MOE  # what build_model accepts
-_MODULE = {"llama4_text": "llama4", "gemma3_text": "gemma3", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5",
-           "gemma4_text": "gemma4"}  # model_type -> module, where they differ
+SHARED_MODULES = ("causal_lm", "graphs", "layers", "moe", "native")  # every other module here is a family
 
 
 def build_model(cfg: ModelConfig, max_len: int) -> nn.Module:
     """Instantiate the architecture named by ``cfg.model_type`` (weights uninitialised)."""
-    if cfg.model_type not in ARCHITECTURES:
-        raise QuickdraftError(
-            f"architecture {cfg.model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
-        )
-    module = importlib.import_module(f"quickdraft.models.{_MODULE.get(cfg.model_type, cfg.model_type)}")
-    return module.CausalLM(cfg, max_len)
+    module = family_module(cfg.model_type)
+    if module is None:
+        raise QuickdraftError(f"architecture {cfg.model_type!r} is not supported; supported: {', '.join(model_types())}")
+    model: nn.Module = importlib.import_module(module).CausalLM(cfg, max_len)
+    return model

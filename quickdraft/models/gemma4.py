@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +31,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.cache import KVCache, KVLayout
-from quickdraft.config import ModelConfig
+from quickdraft.config import (
+    ConfigUpdate,
+    Family,
+    FamilyFields,
+    GGUFMetadata,
+    ModelConfig,
+    hf_layer_types,
+    rope_scaling_of,
+    text_config_of,
+)
+from quickdraft.errors import QuickdraftError
 from quickdraft.models import gemma3, layers
-from quickdraft.models.gemma3 import GemmaMLP, is_sliding
+from quickdraft.models.gemma3 import FULL, GGUF_NORM_NAMES, SLIDING, GemmaMLP, is_sliding
 from quickdraft.models.layers import Attention, Linear, Rope, Step, embedding, linear_group
 from quickdraft.models.moe import (
     check_moe_config,
@@ -44,6 +55,187 @@ from quickdraft.models.moe import (
 
 CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
 CHECKPOINT_SKIP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+@dataclass(frozen=True)
+class Gemma4Fields(FamilyFields):
+    """Gemma 4's own config fields: full-attention layers with their own head size and KV heads,
+    keys that are also the values there, the last layers reusing earlier layers' keys and values,
+    a per-layer token embedding fed into every layer."""
+
+    global_head_dim: int = 0  # head size of the full-attention layers (0: head_dim)
+    num_global_key_value_heads: int = 0  # their KV heads (0: num_key_value_heads)
+    attention_k_eq_v: bool = False  # full-attention layers have no v_proj: values are the keys before k_norm
+    num_kv_shared_layers: int = 0  # the last n layers attend to the last earlier layer of their type's keys/values
+    hidden_size_per_layer_input: int = 0  # width of each layer's per-layer embedding (0: none)
+    vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False  # the KV-sharing layers' MLPs are twice intermediate_size wide
+
+    def layer_note(self) -> str:
+        shared = self.num_kv_shared_layers
+        return f", the last {shared} reusing earlier layers' keys and values" if shared else ""
+
+
+_FULL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma4TextConfig's defaults
+
+
+def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
+    """Gemma 4 text fields, with transformers' Gemma4TextConfig defaults for what a config.json
+    leaves out; the full-attention layers' RoPE is "proportional" (rotating a part of each head,
+    the rest at frequency zero)."""
+    if d.get("use_bidirectional_attention") == "all":
+        raise QuickdraftError("bidirectional Gemma 4 models (embedding models) cannot generate text")
+    activation = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise QuickdraftError(f"Gemma 4 with hidden_activation {activation!r} is not supported (only gelu_pytorch_tanh)")
+    layers = int(d["num_hidden_layers"])
+    layer_types = list(hf_layer_types(d, (SLIDING, FULL), every=6))
+    layer_types[-1] = FULL  # as transformers forces it
+    global_dim, global_kv = _hf_global_shape(d, layer_types)
+    params = d.get("rope_parameters") or {}
+    local = dict(params.get("sliding_attention") or {"rope_theta": _LOCAL_THETA})
+    full_rope = dict(params.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": _FULL_THETA})
+    if (local.get("rope_type") or "default") != "default":
+        raise QuickdraftError("Gemma 4 with RoPE scaling on its sliding-window layers is not supported")
+    shared = int(d.get("num_kv_shared_layers") or 0)
+    if shared and set(layer_types[: layers - shared]) != set(layer_types):
+        raise QuickdraftError(f"Gemma 4 with num_kv_shared_layers={shared}: the layers before them must include "
+                              "every layer type whose keys and values they reuse")
+    moe = bool(d.get("enable_moe_block", False))
+    softcap = d.get("final_logit_softcapping")
+    return {
+        "head_dim": int(d.get("head_dim") or 256),
+        "sliding_window": int(d.get("sliding_window") or 512),
+        "layer_types": tuple(layer_types),
+        "rope_theta": float(full_rope.get("rope_theta") or _FULL_THETA),
+        "rope_scaling": rope_scaling_of({"rope_scaling": full_rope}),
+        "rope_local_theta": float(local.get("rope_theta") or _LOCAL_THETA),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+        "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+        "num_experts": int(d.get("num_experts") or 0) if moe else 0,
+        "num_experts_per_tok": int(d.get("top_k_experts") or 0) if moe else 0,
+        "moe_intermediate_size": int(d.get("moe_intermediate_size") or 0) if moe else 0,
+        "family": Gemma4Fields(
+            global_head_dim=global_dim,
+            num_global_key_value_heads=global_kv,
+            attention_k_eq_v=bool(d.get("attention_k_eq_v", False)),
+            num_kv_shared_layers=shared,
+            hidden_size_per_layer_input=int(d.get("hidden_size_per_layer_input", 256) or 0),
+            vocab_size_per_layer_input=int(d.get("vocab_size_per_layer_input") or 262_144),
+            use_double_wide_mlp=bool(d.get("use_double_wide_mlp", False)),
+        ),
+    }
+
+
+def _hf_global_shape(d: dict[str, Any], layer_types: list[str]) -> tuple[int, int]:
+    """The full-attention layers' head size and KV heads (0: the sliding layers'), given as
+    ``global_head_dim`` / ``num_global_key_value_heads`` (the released configs) or as transformers'
+    ``per_layer_config`` (what it saves: {layer: {head_dim, num_key_value_heads}})."""
+    global_dim = d.get("global_head_dim")
+    global_kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v", False) else None
+    if d.get("per_layer_config"):
+        overrides = {int(i): dict(o) for i, o in d["per_layer_config"].items()}
+        full = [i for i, t in enumerate(layer_types) if t == FULL]
+        if sorted(overrides) != full or any(o != overrides[full[0]] for o in overrides.values()):
+            raise QuickdraftError("Gemma 4 per_layer_config must give every full-attention layer the same head_dim "
+                                  f"and num_key_value_heads (and no other layer); this config.json has {overrides!r}")
+        global_dim = overrides[full[0]].get("head_dim", global_dim)
+        global_kv = overrides[full[0]].get("num_key_value_heads", global_kv)
+    return int(global_dim or 512), int(global_kv or 0)
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A "gemma4" vision-language checkpoint runs as its text model (``text_config``)."""
+    return text_config_of(d, "gemma4_text")
+
+
+def _gguf_fields(meta: GGUFMetadata, cfg: ModelConfig) -> ConfigUpdate:
+    """Gemma 4 as llama.cpp's converter writes it: per-layer arrays for the sliding pattern, the KV
+    heads and the MLP width (twice as wide on KV-sharing layers with ``use_double_wide_mlp``), the
+    full layers' head size as ``key_length`` and the sliding ones' as ``key_length_swa``; keys as
+    values where full layers have no ``attn_v``. Proportional RoPE comes from ``rope_freqs``
+    (:func:`_with_rope_factors`)."""
+    layers = cfg.num_hidden_layers
+    window = meta.get("attention.sliding_window")
+    sliding = [bool(s) for s in _gguf_per_layer(meta, "attention.sliding_window_pattern", True, layers)]
+    kv = _gguf_per_layer(meta, "attention.head_count_kv", cfg.num_key_value_heads, layers)
+    ff = _gguf_per_layer(meta, "feed_forward_length", cfg.intermediate_size, layers)
+    shared = int(meta.optional("attention.shared_kv_layers") or 0)
+    full = [i for i in range(layers) if not sliding[i]]
+    if not full:
+        raise QuickdraftError("this Gemma 4 GGUF has no full-attention layer; the file is damaged")
+    swa_kv = [kv[i] for i in range(layers) if sliding[i]] or [kv[full[0]]]
+    k_eq_v = f"blk.{full[0]}.attn_v.weight" not in meta.tensor_names
+    wide = [2 * ff[0] if i >= layers - shared else ff[0] for i in range(layers)]
+    if len(set(swa_kv)) > 1 or len({kv[i] for i in full}) > 1 or (not k_eq_v and kv[full[0]] != swa_kv[0]) \
+            or ff not in ([ff[0]] * layers, wide):
+        raise QuickdraftError(f"this Gemma 4 GGUF's per-layer KV heads {kv} or MLP widths {ff} are not a layout "
+                              "quickdraft knows (one value per layer type; double-wide sharing layers)")
+    experts = int(meta.optional("expert_count") or 0)
+    softcap = meta.optional("final_logit_softcapping")
+    return {
+        "num_key_value_heads": int(swa_kv[0]),
+        "head_dim": int(meta.optional("attention.key_length_swa") or cfg.head_dim),
+        "sliding_window": int(window),
+        "layer_types": tuple(SLIDING if s else FULL for s in sliding),
+        "rope_local_theta": float(meta.optional("rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+        "qk_norm": True,
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta.optional("expert_used_count") or 0) if experts else 0,
+        "moe_intermediate_size": int(meta.optional("expert_feed_forward_length") or 0) if experts else 0,
+        "family": Gemma4Fields(
+            global_head_dim=cfg.head_dim,
+            num_global_key_value_heads=int(kv[full[0]]) if k_eq_v else 0,
+            attention_k_eq_v=k_eq_v,
+            num_kv_shared_layers=shared,
+            use_double_wide_mlp=shared > 0 and ff == wide and ff != [ff[0]] * layers,
+            hidden_size_per_layer_input=int(meta.optional("embedding_length_per_layer_input") or 0),
+            vocab_size_per_layer_input=cfg.vocab_size,
+        ),
+    }
+
+
+def _gguf_per_layer(meta: GGUFMetadata, key: str, default: Any, layers: int) -> list[Any]:
+    """A per-layer array (or one value for every layer)."""
+    value = meta.optional(key, default)
+    values = list(value) if isinstance(value, list | tuple) else [value] * layers
+    if len(values) != layers:
+        raise QuickdraftError(f"gemma4.{key} has {len(values)} entries for {layers} layers; the file is damaged")
+    return values
+
+
+def _with_rope_factors(cfg: ModelConfig, factors: list[float]) -> ModelConfig:
+    """A file's ``rope_freqs`` (1 for the rotating angles, 1e30 for the still ones) as the full
+    layers' proportional RoPE."""
+    rotating = sum(1 for f in factors if f < 1e29)
+    dim = cfg.family_fields(Gemma4Fields).global_head_dim or cfg.head_dim
+    return dataclasses.replace(cfg, rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 2 * rotating / dim})
+
+
+# Gemma 4's GGUF tensors: Gemma 3's four norms, the layer scalar, the per-layer embedding branch,
+# and the routed experts' router (its input scale and per-expert scales) and norms.
+_GGUF_TENSOR_NAMES = GGUF_NORM_NAMES | {
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+}
+
+FAMILY = Family(model_types=("gemma4_text",), fields=Gemma4Fields, read_hf=_hf_fields, hf_wrappers=("gemma4",),
+                text_config=_text_config, gguf_archs={"gemma4": "gemma4_text"}, read_gguf=_gguf_fields,
+                gguf_experts=False, gguf_tensor_names={"gemma4_text": _GGUF_TENSOR_NAMES},
+                with_rope_factors=_with_rope_factors)
 
 
 class RMSNorm(layers.RMSNorm):
@@ -81,14 +273,15 @@ def layer_config(cfg: ModelConfig, layer: int) -> ModelConfig:
     """``cfg`` with layer ``layer``'s head size and KV heads (the full-attention layers' own)."""
     if is_sliding(cfg, layer):
         return cfg
-    return dataclasses.replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim,
-                               num_key_value_heads=cfg.num_global_key_value_heads or cfg.num_key_value_heads)
+    own = cfg.family_fields(Gemma4Fields)
+    return dataclasses.replace(cfg, head_dim=own.global_head_dim or cfg.head_dim,
+                               num_key_value_heads=own.num_global_key_value_heads or cfg.num_key_value_heads)
 
 
 def kv_sources(cfg: ModelConfig) -> list[int]:
     """For every layer, the layer whose keys and values it attends to: itself, or for the last
     ``num_kv_shared_layers`` the last layer of its type before them."""
-    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    first_shared = cfg.num_hidden_layers - cfg.family_fields(Gemma4Fields).num_kv_shared_layers
     types = cfg.layer_types or ("full_attention",) * cfg.num_hidden_layers
     return [i if i < first_shared else max(j for j in range(first_shared) if types[j] == types[i])
             for i in range(cfg.num_hidden_layers)]
@@ -174,10 +367,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope, rope_local: Rope, reuses_kv: bool) -> None:
         super().__init__()
         sliding = is_sliding(cfg, layer)
+        fields = cfg.family_fields(Gemma4Fields)
         own = layer_config(cfg, layer)
         self.self_attn = Gemma4Attention(own, rope_local if sliding else rope, cfg.sliding_window if sliding else None,
-                                         reuses_kv, values_are_keys=cfg.attention_k_eq_v and not sliding)
-        wide = 2 if cfg.use_double_wide_mlp and reuses_kv else 1
+                                         reuses_kv, values_are_keys=fields.attention_k_eq_v and not sliding)
+        wide = 2 if fields.use_double_wide_mlp and reuses_kv else 1
         self.mlp = GemmaMLP(dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size * wide))
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
@@ -195,8 +389,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
         self.per_layer_input_gate: Linear | None = None
-        if cfg.hidden_size_per_layer_input:
-            p = cfg.hidden_size_per_layer_input
+        if fields.hidden_size_per_layer_input:
+            p = fields.hidden_size_per_layer_input
             self.per_layer_input_gate = Linear(h, p, bias=False)
             self.per_layer_projection = Linear(p, h, bias=False)
             self.post_per_layer_input_norm = RMSNorm(h, eps)
@@ -229,10 +423,11 @@ class _Backbone(nn.Module):
             DecoderLayer(cfg, i, self.rope, self.rope_local, reuses_kv=sources[i] != i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        p = cfg.hidden_size_per_layer_input
+        fields = cfg.family_fields(Gemma4Fields)
+        p = fields.hidden_size_per_layer_input
         if p:
             n = cfg.num_hidden_layers
-            self.embed_tokens_per_layer = embedding(cfg.vocab_size_per_layer_input, n * p)
+            self.embed_tokens_per_layer = embedding(fields.vocab_size_per_layer_input, n * p)
             self.per_layer_model_projection = Linear(cfg.hidden_size, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
 
@@ -251,7 +446,7 @@ class CausalLM(gemma3.CausalLM):
         """Per-layer embeddings ``[T, layers, P]``: the token's own (times sqrt(P)) and a projection
         of its embedding ``x`` (times 1/sqrt(H), normed), summed and scaled by 1/sqrt(2)."""
         cfg = self.config
-        p = cfg.hidden_size_per_layer_input
+        p = cfg.family_fields(Gemma4Fields).hidden_size_per_layer_input
         if not p:
             return None
         m = self.model

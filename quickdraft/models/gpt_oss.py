@@ -18,6 +18,7 @@ What differs from the Llama decoder:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,13 +26,83 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import (
+    ConfigUpdate,
+    Family,
+    FamilyFields,
+    GGUFMetadata,
+    ModelConfig,
+    hf_layer_types,
+    hf_num_experts,
+)
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.models import causal_lm, layers
 from quickdraft.models.gemma3 import is_sliding
 from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, embedding
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts, rowwise
+
+
+@dataclass(frozen=True)
+class GptOssFields(FamilyFields):
+    """GPT-OSS's experts' activation: gate clamped at ``swiglu_limit``, up to [-limit, limit],
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
+
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
+    """Every MLP routed experts (``num_local_experts``, ``intermediate_size`` wide), biases in
+    attention, layers alternating sliding-window / full attention (transformers' defaults)."""
+    return {
+        "num_experts": hf_num_experts(d, 128),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or 4),
+        "moe_intermediate_size": int(d["intermediate_size"]),
+        "attention_bias": bool(d.get("attention_bias", True)),
+        "sliding_window": int(d.get("sliding_window") or 128),
+        "layer_types": hf_layer_types(d, ("sliding_attention", "full_attention"), every=2),
+        "family": GptOssFields(swiglu_alpha=float(d.get("swiglu_alpha") or 1.702),
+                               swiglu_limit=float(d.get("swiglu_limit") or 7.0)),
+    }
+
+
+def _gguf_fields(meta: GGUFMetadata, cfg: ModelConfig) -> ConfigUpdate:
+    """GPT-OSS as llama.cpp runs it: sliding-window attention on the even layers, biases, experts
+    (``expert_*`` keys), the clamped activation's constants (fixed in llama.cpp: 1.702 and 7); YaRN
+    as the model was trained (transformers' config), not rounded as llama.cpp's rope does."""
+    window = meta.optional("attention.sliding_window")
+    experts = int(meta.optional("expert_count") or 0)
+    if window is None or not experts:
+        raise QuickdraftError("GGUF metadata lacks 'gpt-oss.attention.sliding_window' or 'gpt-oss.expert_count'; "
+                              "the file is incomplete")
+    return {
+        "sliding_window": int(window),
+        "layer_types": tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_hidden_layers)),
+        "attention_bias": True,
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta.optional("expert_used_count") or 4),
+        "moe_intermediate_size": int(meta.optional("expert_feed_forward_length") or cfg.intermediate_size),
+        "family": GptOssFields(swiglu_alpha=1.702, swiglu_limit=7.0),
+        # YaRN without rounding the ramp's ends (the released configs' "truncate": false, which
+        # GGUF keys do not carry)
+        "rope_scaling": dict(cfg.rope_scaling, truncate=False) if cfg.rope_scaling else None,
+    }
+
+
+# GPT-OSS's GGUF tensors: sinks, the output projection's bias, the router with its bias, stacked
+# experts (gate and up apart, each with a bias; MXFP4 blocks in the released files).
+_GGUF_TENSOR_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    **{f"ffn_{p}_exps.{f}": f"mlp.experts.{p}_proj.{f}" for p in ("gate", "up", "down") for f in ("weight", "bias")},
+}
+
+FAMILY = Family(model_types=("gpt_oss",), fields=GptOssFields, read_hf=_hf_fields, gguf_archs={"gpt-oss": "gpt_oss"},
+                read_gguf=_gguf_fields, gguf_experts=False, gguf_tensor_names={"gpt_oss": _GGUF_TENSOR_NAMES})
 
 
 def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
@@ -87,7 +158,8 @@ class Expert(MLP):
         self.gate_proj = Linear(h, i, bias=True)
         self.up_proj = Linear(h, i, bias=True)
         self.down_proj = Linear(i, h, bias=True)
-        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        own = cfg.family_fields(GptOssFields)
+        self.alpha, self.limit = own.swiglu_alpha, own.swiglu_limit
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)

@@ -28,12 +28,76 @@ stacked input-major experts ``feed_forward.experts.gate_up_proj`` [E, H, 2I] / `
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import ConfigUpdate, Family, FamilyFields, ModelConfig, hf_num_experts
 from quickdraft.models.layers import BLOCKED_MAX_ROWS, Attention, Linear, Rope, Step
 from quickdraft.models.moe import MoECausalLM
+
+
+@dataclass(frozen=True)
+class Llama4Fields(FamilyFields):
+    """Llama 4's own config fields: which layers are MoE, and per layer RoPE + chunked attention +
+    L2 q/k norm, or NoPE + temperature."""
+
+    moe_layers: tuple[int, ...] | None = None  # the sparse layers; None = every ...
+    interleave_moe_layer_step: int = 1  # ... interleave_moe_layer_step-th layer
+    attention_chunk_size: int | None = None  # RoPE layers attend within chunks of this many positions
+    no_rope_layers: tuple[int, ...] = ()  # 1 = the layer uses RoPE, 0 = NoPE (HF's naming); () = all RoPE
+    qk_l2_norm: bool = False  # L2-normalise q and k (no weight) after RoPE, RoPE layers only
+    attn_temperature_tuning: bool = False  # scale NoPE layers' queries up with the position
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+
+def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
+    """Llama 4's config.json resolved as transformers' Llama4TextConfig resolves it (its experts
+    are ``intermediate_size`` wide, its dense layers ``intermediate_size_mlp``)."""
+    layers = int(d["num_hidden_layers"])
+    step = int(d.get("interleave_moe_layer_step", 1))
+    moe_layers = d.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = range(step - 1, layers, step)
+    interval = int(d.get("no_rope_layer_interval", 4))
+    no_rope = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    expert = int(d.get("intermediate_size", 8192))
+    return {
+        "num_experts": hf_num_experts(d, 16),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok", 1)),
+        "moe_intermediate_size": expert,
+        "shared_expert_intermediate_size": expert,
+        "intermediate_size": int(d.get("intermediate_size_mlp", 16384)),  # the dense layers' MLP
+        # "chunked_attention" / "full_attention" per layer; None: chunked = RoPE layers
+        "layer_types": tuple(d["layer_types"]) if d.get("layer_types") else None,
+        "attention_bias": bool(d.get("attention_bias", False)),
+        "family": Llama4Fields(
+            moe_layers=tuple(int(i) for i in moe_layers),
+            interleave_moe_layer_step=step,
+            attention_chunk_size=d.get("attention_chunk_size", 8192),
+            no_rope_layers=tuple(int(i) for i in no_rope),
+            qk_l2_norm=bool(d.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(d.get("attn_temperature_tuning", True)),
+            floor_scale=float(d.get("floor_scale", 8192)),
+            attn_scale=float(d.get("attn_scale", 0.1)),
+        ),
+    }
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A full Llama 4 checkpoint (model_type "llama4": vision + text) runs as its text model:
+    its text_config, keeping model_type "llama4" (the weights carry a ``language_model.`` prefix)."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        return d
+    tied = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": "llama4", "tie_word_embeddings": tied}
+
+
+FAMILY = Family(model_types=("llama4", "llama4_text"), fields=Llama4Fields, read_hf=_hf_fields,
+                hf_wrappers=("llama4",), text_config=_text_config)
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,12 +128,13 @@ class Llama4Attention(Attention):
         super().__init__(cfg, rope)
         if cfg.attention_bias:
             self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=True)
-        self.use_rope = bool(cfg.no_rope_layers[layer]) if cfg.no_rope_layers else True
+        own = cfg.family_fields(Llama4Fields)
+        self.use_rope = bool(own.no_rope_layers[layer]) if own.no_rope_layers else True
         chunked = cfg.layer_types[layer] == "chunked_attention" if cfg.layer_types else self.use_rope
-        self.chunk = cfg.attention_chunk_size if chunked else None
-        self.l2_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and self.use_rope else None
-        self.temperature = cfg.attn_temperature_tuning and not self.use_rope
-        self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
+        self.chunk = own.attention_chunk_size if chunked else None
+        self.l2_eps = cfg.rms_norm_eps if own.qk_l2_norm and self.use_rope else None
+        self.temperature = own.attn_temperature_tuning and not self.use_rope
+        self.floor_scale, self.attn_scale = own.floor_scale, own.attn_scale
 
     def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         t = x.shape[0]
@@ -142,8 +207,8 @@ class CausalLM(MoECausalLM):
             layer.self_attn = Llama4Attention(cfg, self.model.rope, i)
 
     def is_moe_layer(self, i: int) -> bool:
-        cfg = self.config
-        if cfg.moe_layers is not None:
-            return i in cfg.moe_layers
-        step = cfg.interleave_moe_layer_step
+        own = self.config.family_fields(Llama4Fields)
+        if own.moe_layers is not None:
+            return i in own.moe_layers
+        step = own.interleave_moe_layer_step
         return i % step == step - 1

@@ -47,6 +47,16 @@ from quickdraft.models.layers import MLP, Linear, linear_grouped
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
 ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)
+# Mixture-of-experts layers as llama.cpp names them (the Qwen MoE families' GGUFs): the router,
+# stacked experts (split per expert at load, :func:`convert_expert_layouts`), the shared expert
+# and its gate.
+GGUF_MOE_TENSOR_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj.weight",
+    **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

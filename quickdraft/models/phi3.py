@@ -8,17 +8,20 @@ The Llama decoder with, as in transformers' ``modeling_phi3``:
 * partial rotary embeddings (``partial_rotary_factor``: RoPE on the first dims of each head,
   the rest passes through), Phi-4-mini's 0.75;
 * LongRoPE (``rope_scaling`` "longrope"/"su") within the original context: frequencies divided
-  by ``short_factor``, cos/sin scaled by the attention factor (see ``config._phi3_fields``);
+  by ``short_factor``, cos/sin scaled by the attention factor (see :func:`_hf_fields`);
 * the sliding window of ``sliding_window`` positions on every layer.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.config import ModelConfig
+from quickdraft.config import ConfigUpdate, Family, GGUFMetadata, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
 from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step, embedding
@@ -107,3 +110,76 @@ class CausalLM(causal_lm.CausalLM):
     """:class:`causal_lm.CausalLM` (same forward, cache and captures) over Phi-3 layers."""
 
     backbone = _Backbone
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
+    """Phi-3 / Phi-4-mini fields: partial rotary, a sliding window on every layer (computed, so
+    it is given as layer types), and LongRoPE.
+
+    LongRoPE switches from ``short_factor`` to ``long_factor`` frequencies once a sequence grows
+    past ``original_max_position_embeddings`` (transformers recomputes every position then); only
+    the short half is implemented, so the context is limited to the original length, where the
+    result equals transformers'. The attention factor (cos/sin scale) is resolved here as
+    transformers does: from the config, else from max_position_embeddings / original length.
+    """
+    activation = d.get("hidden_act", "silu")
+    if activation != "silu":
+        raise QuickdraftError(f"Phi-3 with hidden_act {activation!r} is not supported (only silu)")
+    layers = int(d["num_hidden_layers"])
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or params
+    out: ConfigUpdate = {
+        "partial_rotary_factor": float(params.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0),
+        "sliding_window": None,
+        "layer_types": None,
+    }
+    window = d.get("sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+        out["layer_types"] = ("sliding_attention",) * layers
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind in ("longrope", "su", "yarn"):  # transformers reads all three as LongRoPE for phi3
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        original = int(scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos)
+        factor = float(scaling.get("factor") or max_pos / original)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": [float(x) for x in scaling["short_factor"]],
+            "attention_factor": float(attention),
+            "original_max_position_embeddings": original,
+        }
+        out["max_position_embeddings"] = min(max_pos, original)
+    elif kind != "default":
+        raise QuickdraftError(f"Phi-3 rope_scaling type {kind!r} is not supported (supported: longrope)")
+    return out
+
+
+def _gguf_fields(meta: GGUFMetadata, cfg: ModelConfig) -> ConfigUpdate:
+    """Partial rotary (``rope.dimension_count`` below head_dim) and the all-layer sliding window.
+    LongRoPE files (``rope_factors_short/long`` tensors) are refused: their per-frequency factors
+    would have to be read from tensors, which quickdraft does not do for Phi-3 GGUFs."""
+    if any(name.startswith("rope_factors_") for name in meta.tensor_names):
+        raise QuickdraftError(
+            "Phi-3 GGUF files with LongRoPE (rope_factors_short/long, the 128k-context models) are "
+            "not supported; use the model's Hugging Face folder, or a 4k-context model"
+        )
+    rotary = int(meta.optional("rope.dimension_count") or cfg.head_dim)
+    window = meta.optional("attention.sliding_window")
+    return {
+        "partial_rotary_factor": rotary / cfg.head_dim,
+        "sliding_window": int(window) if window else None,
+        "layer_types": ("sliding_attention",) * cfg.num_hidden_layers if window else None,
+    }
+
+
+# Phi-3 keeps its fused weights (llama.cpp's ffn_up holds gate then up, like gate_up_proj).
+FAMILY = Family(model_types=("phi3",), read_hf=_hf_fields, gguf_archs={"phi3": "phi3"}, read_gguf=_gguf_fields,
+                gguf_tensor_names={"phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                                            "ffn_up.weight": "mlp.gate_up_proj.weight"}})
+

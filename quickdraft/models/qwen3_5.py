@@ -23,24 +23,197 @@ in a prefill chunk, a verification chain, a tree or a pass over several sequence
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.cache import HybridCache, RecurrentShape, State
-from quickdraft.config import LINEAR_ATTENTION, ModelConfig
+from quickdraft.config import (
+    ConfigUpdate,
+    Family,
+    FamilyFields,
+    GGUFMetadata,
+    ModelConfig,
+    hf_layer_types,
+    rope_scaling_of,
+    text_config_of,
+)
+from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
 from quickdraft.models.gemma3 import GemmaRMSNorm
 from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
-from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts
+from quickdraft.models.moe import (
+    GGUF_MOE_TENSOR_NAMES,
+    SparseMoE,
+    check_moe_config,
+    convert_expert_layouts,
+)
 from quickdraft.models.phi3 import PartialRope
 from quickdraft.quant.ggml import active_kernels
 
 # checkpoint names -> the model's (a vision-language checkpoint's text model), and what is not loaded
 CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
 CHECKPOINT_SKIP = ("model.visual.", "mtp.")
+
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetFields(FamilyFields):
+    """The Gated DeltaNet shape of the ``layer_types`` "linear_attention" layers (a short causal
+    convolution, then the gated delta rule over a recurrent state)."""
+
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    attn_output_gate: bool = False  # q_proj also yields a gate: attention output * sigmoid(gate)
+    # Value heads in llama.cpp's tiled order (value head j reads q/k head j % nk; GGUF files), not
+    # grouped (j reads q/k head j // (nv / nk); Hugging Face checkpoints).
+    linear_value_heads_tiled: bool = False
+
+
+def _hf_fields(d: dict[str, Any]) -> ConfigUpdate:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text fields (transformers' config defaults where a
+    config.json leaves one out): Gated DeltaNet layers between gated full-attention layers (every
+    ``full_attention_interval``-th), partial rotary, q/k norms, and the MoE families' experts."""
+    activation = d.get("hidden_act", "silu")
+    if activation != "silu":
+        raise QuickdraftError(f"Qwen3.5 with hidden_act {activation!r} is not supported (only silu)")
+    layer_types = hf_layer_types(d, (LINEAR_ATTENTION, FULL_ATTENTION), every=int(d.get("full_attention_interval") or 4))
+    params = d.get("rope_parameters") or {}
+    scaling = rope_scaling_of(d)
+    if scaling is not None:  # (mrope sections are plain RoPE for text: one position per token)
+        raise QuickdraftError(f"Qwen3.5 with rope_type {scaling['rope_type']!r} is not supported (only default)")
+    return {
+        "head_dim": int(d.get("head_dim") or 256),
+        "layer_types": layer_types,
+        "partial_rotary_factor": float(params.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 0.25),
+        "qk_norm": True,
+        "family": GatedDeltaNetFields(
+            attn_output_gate=True,
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim") or 4),
+            linear_key_head_dim=int(d.get("linear_key_head_dim") or 128),
+            linear_value_head_dim=int(d.get("linear_value_head_dim") or 128),
+            linear_num_key_heads=int(d.get("linear_num_key_heads") or 16),
+            linear_num_value_heads=int(d.get("linear_num_value_heads") or 32),
+        ),
+    } | ({} if d["model_type"] == "qwen3_5" else _hf_experts(d))
+
+
+def _hf_experts(d: dict[str, Any]) -> ConfigUpdate:
+    """The MoE models' MLPs: routed experts plus a gated shared one."""
+    next_ = d["model_type"] == "qwen3_next"
+    return {
+        "num_experts": int(d.get("num_experts") or (512 if next_ else 256)),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or (10 if next_ else 8)),
+        "moe_intermediate_size": int(d.get("moe_intermediate_size") or 512),
+        "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 512),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", True)),
+        # qwen3_next: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not listed
+        "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+    }
+
+
+# Vision-language checkpoints (and their text models) -> the text model's type
+_TEXT_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+               "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 checkpoint with its vision tower runs as its text model; a Qwen3.5-MoE text
+    config has no dense MLP width (every layer is routed): its experts' stands in."""
+    out = text_config_of(d, _TEXT_TYPES[str(d["model_type"])])
+    if "intermediate_size" not in out and "moe_intermediate_size" in out:
+        out["intermediate_size"] = out["moe_intermediate_size"]
+    return out
+
+
+def _gguf_fields(meta: GGUFMetadata, cfg: ModelConfig) -> ConfigUpdate:
+    """Qwen3.5's hybrid layout as llama.cpp's converter writes it: the block count includes the
+    multi-token-prediction blocks (``nextn_predict_layers``), the layer kinds come as
+    ``attention.recurrent_layers`` (or every ``full_attention_interval``-th is full), the Gated
+    DeltaNet shape as ``ssm.*`` keys, value heads in tiled order."""
+    layers = cfg.num_hidden_layers - int(meta.optional("nextn_predict_layers") or 0)
+    recurrent = meta.optional("attention.recurrent_layers")
+    if recurrent is not None:
+        kinds = [LINEAR_ATTENTION if r else FULL_ATTENTION for r in list(recurrent)[:layers]]
+    else:
+        interval = int(meta.optional("full_attention_interval") or 4)
+        kinds = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)]
+    nv, nk, inner = int(meta.get("ssm.time_step_rank")), int(meta.get("ssm.group_count")), int(meta.get("ssm.inner_size"))
+    state, conv = int(meta.get("ssm.state_size")), int(meta.get("ssm.conv_kernel"))
+    arch = meta.arch
+    for key, value in (("ssm.time_step_rank", nv), ("ssm.group_count", nk), ("ssm.inner_size", inner),
+                       ("ssm.state_size", state), ("ssm.conv_kernel", conv)):
+        if value <= 0:
+            raise QuickdraftError(f"GGUF metadata '{arch}.{key}' is {value}; the file is damaged (it must be positive)")
+    if inner % nv or nv % nk:
+        raise QuickdraftError(
+            f"GGUF metadata is inconsistent: '{arch}.ssm.inner_size' {inner} must be a multiple of "
+            f"'{arch}.ssm.time_step_rank' {nv} (value heads), and that of '{arch}.ssm.group_count' {nk} (key heads)")
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": tuple(kinds),
+        "partial_rotary_factor": int(meta.get("rope.dimension_count")) / cfg.head_dim,
+        "qk_norm": True,
+        "family": GatedDeltaNetFields(
+            attn_output_gate=True,
+            linear_conv_kernel_dim=conv,
+            linear_key_head_dim=state,
+            linear_num_key_heads=nk,
+            linear_num_value_heads=nv,
+            linear_value_head_dim=inner // nv,
+            linear_value_heads_tiled=arch != "qwen3next",  # (Qwen3-Next's converter keeps them grouped)
+        ),
+    }
+
+
+# Qwen3.5's GGUF tensors: the Gated DeltaNet layers' (llama.cpp's ssm_* names), the gated attention's.
+_GGUF_TENSOR_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+_GGUF_MOE_TENSOR_NAMES = _GGUF_TENSOR_NAMES | GGUF_MOE_TENSOR_NAMES
+# Qwen3-Next: Qwen3.5's names, its b / a projections still fused (grouped per key head, split at load)
+_GGUF_NEXT_TENSOR_NAMES = _GGUF_MOE_TENSOR_NAMES | {"ssm_ba.weight": "linear_attn.in_proj_ba.weight"}
+
+def _gguf_tensor(name: str, w: np.ndarray) -> np.ndarray:
+    """A Gated DeltaNet tensor as the checkpoint holds it."""
+    if name.endswith(".A_log"):  # llama.cpp stores A = -exp(A_log)
+        return np.log(-w)
+    if name.endswith(".conv1d.weight"):  # [C, K] -> the depthwise Conv1d's [C, 1, K]
+        return w[:, None, :]
+    return w
+
+
+# GGUFs: the norms outside the Gated DeltaNet's gated one stored as 1 + w (Gemma's form), blocks
+# past the model's layers multi-token-prediction ones; top-k weights renormalised (llama.cpp's
+# default for the MoE architectures).
+FAMILY = Family(
+    model_types=("qwen3_5", "qwen3_5_moe", "qwen3_next"), fields=GatedDeltaNetFields, read_hf=_hf_fields,
+    hf_wrappers=tuple(_TEXT_TYPES), text_config=_text_config,
+    gguf_archs={"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}, read_gguf=_gguf_fields,
+    gguf_norm_topk=True,
+    gguf_tensor_names={"qwen3_5": _GGUF_TENSOR_NAMES, "qwen3_5_moe": _GGUF_MOE_TENSOR_NAMES,
+                       "qwen3_next": _GGUF_NEXT_TENSOR_NAMES},
+    gguf_norm_plus_one=True, gguf_norms_as_is=("ssm_norm.weight",), gguf_mtp_blocks=True, gguf_tensor=_gguf_tensor,
+)
 
 
 class GatedRMSNorm(nn.Module):
@@ -69,13 +242,14 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.index = index
-        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        own = cfg.family_fields(GatedDeltaNetFields)
+        self.nk, self.nv = own.linear_num_key_heads, own.linear_num_value_heads
+        self.dk, self.dv = own.linear_key_head_dim, own.linear_value_head_dim
         if self.nv % self.nk:
             raise ValueError(f"linear_num_value_heads {self.nv} is not a multiple of linear_num_key_heads {self.nk}")
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.kernel = cfg.linear_conv_kernel_dim
+        self.kernel = own.linear_conv_kernel_dim
         h = cfg.hidden_size
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
@@ -86,7 +260,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(h, self.value_dim, bias=False)
         self.in_proj_b = Linear(h, self.nv, bias=False)
         self.in_proj_a = Linear(h, self.nv, bias=False)
-        self.tiled = cfg.linear_value_heads_tiled
+        self.tiled = own.linear_value_heads_tiled
 
     def _per_value_head(self, x: torch.Tensor, rep: int) -> torch.Tensor:
         """q or k [Hk, Dk] for each value head [Hv, Dk]: grouped (head j reads j // rep), or
@@ -240,14 +414,15 @@ class CausalLM(causal_lm.CausalLM):
 
     def recurrent_shape(self) -> RecurrentShape:
         cfg = self.config
+        own = cfg.family_fields(GatedDeltaNetFields)
         return RecurrentShape(
             layers=sum(_linear_layers(cfg)),
-            conv_channels=2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
-            conv_width=cfg.linear_conv_kernel_dim - 1,
-            heads=cfg.linear_num_value_heads,
-            key_dim=cfg.linear_key_head_dim,
-            value_dim=cfg.linear_value_head_dim,
+            conv_channels=2 * own.linear_num_key_heads * own.linear_key_head_dim
+            + own.linear_num_value_heads * own.linear_value_head_dim,
+            conv_width=own.linear_conv_kernel_dim - 1,
+            heads=own.linear_num_value_heads,
+            key_dim=own.linear_key_head_dim,
+            value_dim=own.linear_value_head_dim,
         )
 
     def make_cache(self, max_len: int) -> HybridCache:
@@ -278,9 +453,9 @@ class CausalLM(causal_lm.CausalLM):
         """Qwen3-Next's fused projections as Qwen3.5's: ``in_proj_qkvz`` holds per q/k head group
         [q, k, v (nv/nk heads), z (nv/nk heads)] and ``in_proj_ba`` [b, a] (nv/nk each); their rows
         regrouped into in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a."""
-        cfg = self.config
-        nk, dk, dv, rep = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                           cfg.linear_num_value_heads // max(cfg.linear_num_key_heads, 1))
+        own = self.config.family_fields(GatedDeltaNetFields)
+        nk, dk, dv, rep = (own.linear_num_key_heads, own.linear_key_head_dim, own.linear_value_head_dim,
+                           own.linear_num_value_heads // max(own.linear_num_key_heads, 1))
         group = [dk, dk, rep * dv, rep * dv]  # in_proj_qkvz rows per q/k head: q, k, v, z
 
         def rows(sizes: list[int], part: int, n: int) -> torch.Tensor:  # rows of ``part`` in every group

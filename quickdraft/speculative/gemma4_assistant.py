@@ -59,7 +59,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
-from quickdraft.models.gemma4 import Gemma4Attention, RMSNorm, layer_config
+from quickdraft.models.gemma4 import Gemma4Attention, Gemma4Fields, RMSNorm, layer_config
 from quickdraft.models.layers import Linear, Rope, Step
 from quickdraft.quant.ggml import GGMLLinear, kernels_active
 from quickdraft.speculative.base import DraftPass, PassOutput, Steps
@@ -93,9 +93,10 @@ class AssistantConfig:
         text = {**text, "model_type": TARGET_TYPE, "num_kv_shared_layers": 0}
         text.setdefault("hidden_size_per_layer_input", 0)
         cfg = ModelConfig.from_hf_dict(text)
-        unsupported = [name for name, on in (("per-layer embeddings", cfg.hidden_size_per_layer_input > 0),
+        own = cfg.family_fields(Gemma4Fields)
+        unsupported = [name for name, on in (("per-layer embeddings", own.hidden_size_per_layer_input > 0),
                                              ("routed experts", cfg.num_experts > 0),
-                                             ("double-wide MLPs", cfg.use_double_wide_mlp)) if on]
+                                             ("double-wide MLPs", own.use_double_wide_mlp)) if on]
         if unsupported:  # what transformers' Gemma4AssistantConfig.validate_architecture refuses too
             raise QuickdraftError(f"a Gemma 4 assistant has no {', '.join(unsupported)}; this config.json has them")
         try:
@@ -117,7 +118,7 @@ def kv_source(target: ModelConfig, layer_type: str) -> int | None:
     """The target layer whose keys and values an assistant layer of ``layer_type`` reads: the last
     one of that type before the target's KV-sharing layers (transformers' "store" layer); None
     where the target has none."""
-    first_shared = target.num_hidden_layers - target.num_kv_shared_layers
+    first_shared = target.num_hidden_layers - target.family_fields(Gemma4Fields).num_kv_shared_layers
     types = target.layer_types or (FULL,) * target.num_hidden_layers
     found = [i for i in range(first_shared) if types[i] == layer_type]
     return found[-1] if found else None

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.cache import KVCache
-from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
+from quickdraft.config import ModelConfig, rope_scaling_of, rope_theta_of
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.layers import (
     MLP,
@@ -211,8 +211,8 @@ class Eagle3Config:
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(d),
-                rope_scaling=_rope_scaling(d),
+                rope_theta=rope_theta_of(d),
+                rope_scaling=rope_scaling_of(d),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 vocab_size=vocab,
                 draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
