@@ -41,9 +41,10 @@ import torch
 from quickdraft.cache import KVCache, KVPool
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.graphs import make_step_graphs
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
+from quickdraft.models.layers import RowSlots
 from quickdraft.prefix_cache import PrefixCache, as_ids, common_prefix
 from quickdraft.sampling import (
     SamplingParams,

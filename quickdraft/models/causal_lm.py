@@ -19,12 +19,16 @@ from torch import nn
 
 from quickdraft.cache import KVCache, KVType
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import (
+from quickdraft.models.batch_invariance import (
     BLOCKED_MAX_ROWS,
     NATIVE_CHAIN_ROWS,
     PREFILL_CHUNK,
-    DecoderLayer,
     Linear,
+    invariant_pass,
+    prefill_chunks,
+)
+from quickdraft.models.layers import (
+    DecoderLayer,
     RMSNorm,
     Rope,
     RowSlots,
@@ -32,7 +36,6 @@ from quickdraft.models.layers import (
     allocate_empty,
     causal_mask,
     embedding,
-    prefill_chunks,
 )
 from quickdraft.models.native import NativeStack
 from quickdraft.quant.fp8 import FP8Linear
@@ -177,7 +180,7 @@ class CausalLM(nn.Module):
         x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
         chain = rows is None and mask is None
-        stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS or (chain and t <= NATIVE_CHAIN_ROWS) else None
+        stack = self._native.get(self.model.layers, x) if invariant_pass(t, chain) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
             x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))

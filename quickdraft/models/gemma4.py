@@ -32,8 +32,9 @@ from torch import nn
 from quickdraft.cache import KVCache, KVLayout
 from quickdraft.config import ModelConfig
 from quickdraft.models import gemma3, layers
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
-from quickdraft.models.layers import Attention, Linear, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import Attention, Rope, Step, embedding, linear_group
 from quickdraft.models.moe import (
     check_moe_config,
     convert_expert_layouts,

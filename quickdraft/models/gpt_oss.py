@@ -29,8 +29,9 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.models import causal_lm, layers
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.gemma3 import is_sliding
-from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, embedding
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, embedding
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts, rowwise
 
 

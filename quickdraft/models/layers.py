@@ -1,8 +1,8 @@
 """Building blocks shared by every decoder: RMSNorm, RoPE, attention over the static cache, MLP.
 
 All tensors are for one sequence (batch 1, the single-user case): activations are ``[T, H]``.
-Linear layers are ``torch.nn.Linear`` here; ``quickdraft.quant`` may swap them for low-bit
-kernels with the same call signature.
+Linear layers are the batch-invariant :class:`~quickdraft.models.batch_invariance.Linear`;
+``quickdraft.quant`` may swap them for low-bit kernels with the same call signature.
 """
 
 from __future__ import annotations
@@ -16,56 +16,8 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, Linear, invariant_pass
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_grouped, ggml_linear_multi
-
-ROW_BLOCK = 8  # rows per matmul in the decode/verify path
-BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path ...
-# ... except chains on the native kernels' path (CPU float32, the kernels built): there the q8 GEMMs,
-# the native attention, the Gated DeltaNet step and Linear's blocked matmuls compute a row the same
-# way up to this many rows (CausalLM.prefill_rows).
-NATIVE_CHAIN_ROWS = 256
-# Prefills run in passes of at most this many rows (CausalLM.prefill_rows: NATIVE_CHAIN_ROWS where the
-# native path runs the whole model): the batch-invariant path, so a token's keys and values are
-# bitwise the same however its sequence is cut into passes (prefix reuse stays exact).
-PREFILL_CHUNK = BLOCKED_MAX_ROWS
-
-
-def prefill_chunks(start: int, end: int, rows: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
-    """Rows ``[start, end)`` cut into the passes a prefill runs: ``(s, e)`` of at most ``rows``."""
-    return [(s, min(s + rows, end)) for s in range(start, end, rows)]
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose result for a row does not depend on how many rows come with it.
-
-    CPU GEMM libraries pick different kernels (and so different reduction orders) for different
-    row counts, so row i of a k-row verification pass could differ in the last bit from the same
-    row decoded alone, and a greedy argmax could flip. Short passes are therefore computed in
-    fixed blocks of ROW_BLOCK rows (zero-padded): every decode and verify row goes through the
-    same kernel, so speculative greedy output stays token-identical to plain decoding. At batch 1
-    the pass is bound by reading the weights, so the padding costs little.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        return blocked_linear(x, self.weight, self.bias)
-
-
-def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` computed the batch-invariant way :class:`Linear` describes (also used by
-    layers that build their weight on the fly, e.g. ``quickdraft.quant.fp8.FP8Linear``)."""
-    t = x.shape[0]
-    if t > NATIVE_CHAIN_ROWS:
-        return F.linear(x, weight, bias)
-    n = weight.shape[0]
-    if 1 < n < 4:  # torch's CPU GEMM sums 2-3 output columns in an order that depends on the other rows
-        weight = torch.cat([weight, weight.new_zeros(4 - n, weight.shape[1])])
-        bias = None if bias is None else torch.cat([bias, bias.new_zeros(4 - n)])
-        return blocked_linear(x, weight, bias)[:, :n].contiguous()
-    pad = (-t) % ROW_BLOCK
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    blocks = [F.linear(x[i : i + ROW_BLOCK], weight, bias) for i in range(0, t + pad, ROW_BLOCK)]
-    return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
 
 
 def linear_grouped(groups: list[list[nn.Module]], x: torch.Tensor, counts: list[int]) -> list[list[torch.Tensor]]:
@@ -430,8 +382,8 @@ class Attention(nn.Module):
             n = step.mask.shape[1]
             out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
             return out.transpose(0, 1).reshape(t, self.nh * self.hd)
-        short = t <= BLOCKED_MAX_ROWS or (not step.tree and t <= NATIVE_CHAIN_ROWS)
-        if self.native and short and cache.storage_dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
+        invariant = invariant_pass(t, chain=not step.tree)
+        if self.native and invariant and cache.storage_dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
             # decode / verify rows, prefill chains: cache write and attention in one native call
             slots, offsets = step.flat_slots(self.window)
             return ops.attend(
@@ -442,7 +394,7 @@ class Attention(nn.Module):
             keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
         else:
             keys, values = cache.read(layer, step.start + t)
-        if t > NATIVE_CHAIN_ROWS or (step.tree and t > BLOCKED_MAX_ROWS):  # (the plain way: not batch invariant)
+        if not invariant:  # the plain way
             mask = step.mask if self.window is None else step.windowed(self.window)[0]
             out = self._attend(q, keys, values, mask)  # [Hq, T, D]
         else:  # each row alone (a chain of up to NATIVE_CHAIN_ROWS: a prefill pass, see CausalLM.prefill_rows)

@@ -32,7 +32,8 @@ import math
 import torch
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, Attention, Linear, Rope, Step
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, Linear
+from quickdraft.models.layers import Attention, Rope, Step
 from quickdraft.models.moe import MoECausalLM
 
 

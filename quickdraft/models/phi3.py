@@ -21,7 +21,8 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
-from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step, embedding
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.layers import Attention, RMSNorm, Rope, Step, embedding
 
 
 class PartialRope(Rope):

@@ -32,8 +32,9 @@ from torch import nn
 from quickdraft.cache import HybridCache, RecurrentShape, State
 from quickdraft.config import LINEAR_ATTENTION, ModelConfig
 from quickdraft.models import causal_lm
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.gemma3 import GemmaRMSNorm
-from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import MLP, Attention, Rope, Step, embedding, linear_group
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts
 from quickdraft.models.phi3 import PartialRope
 from quickdraft.quant.ggml import active_kernels

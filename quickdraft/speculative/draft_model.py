@@ -43,8 +43,9 @@ from torch import Tensor
 
 from quickdraft.cache import CacheSnapshot, KVCache, KVPool
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
+from quickdraft.models.layers import RowSlots
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,

@@ -57,8 +57,9 @@ from torch import Tensor
 
 from quickdraft.cache import CacheSnapshot, KVCache, KVPool
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, prefill_chunks
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots, prefill_chunks
+from quickdraft.models.layers import RowSlots
 from quickdraft.sampling import (
     SamplingParams,
     probs_from_logits,

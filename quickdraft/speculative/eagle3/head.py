@@ -50,16 +50,8 @@ from torch import Tensor, nn
 from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.layers import (
-    MLP,
-    Attention,
-    Linear,
-    RMSNorm,
-    Rope,
-    RowSlots,
-    Step,
-    causal_mask,
-)
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, RowSlots, Step, causal_mask
 
 
 @dataclass(frozen=True)
