@@ -80,7 +80,7 @@ def time_layers(model: CausalLM, context: int, rows: int, repeats: int) -> dict[
                 step = Step(positions=torch.arange(start, start + rows), start=start, mask=causal_mask(start, rows, x.device),
                             cache=cache)
                 assert isinstance(cache, HybridCache)
-                cache.begin_rows(step.row_parents())
+                cache.recurrent.begin_rows(start, step.row_parents())
                 layer = model.model.layers[i]
                 t0 = time.perf_counter()
                 layer(x, i, step)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import KVPool, SequenceCache
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
@@ -196,7 +196,7 @@ class Generation:
     drafter: Drafter | None
     num_draft: int  # k offered to the drafter per step (0: plain decoding)
     lane: int
-    cache: KVCache
+    cache: SequenceCache
     cached: int = 0  # prompt tokens reused from the prefix cache
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     features: list[torch.Tensor] = field(default_factory=list)  # prompt rows' features, until the drafter reads them
@@ -294,7 +294,7 @@ class Engine:
         self.last_pass_seconds = 0.0  # ... and its seconds
 
     @property
-    def cache(self) -> KVCache:
+    def cache(self) -> SequenceCache:
         """The first lane's KV cache (the only one of a one-sequence engine)."""
         return self.lanes[0]
 
@@ -595,7 +595,7 @@ class Engine:
 
     def _run(
         self,
-        cache: KVCache,
+        cache: SequenceCache,
         ids: torch.Tensor,
         positions: torch.Tensor | None,
         mask: torch.Tensor | None,

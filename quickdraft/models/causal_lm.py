@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from quickdraft.cache import KVCache, KVType
+from quickdraft.cache import KVCache, KVType, SequenceCache
 from quickdraft.config import ModelConfig
 from quickdraft.models.batch_invariance import (
     BLOCKED_MAX_ROWS,
@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         return self
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> SequenceCache:
         return self.make_cache(self.max_len)
 
     # Families whose layers run every pass mode on the shared Step path (chains of up to
@@ -132,7 +132,7 @@ class CausalLM(nn.Module):
                 return PREFILL_CHUNK
         return self.chain_rows
 
-    def make_cache(self, max_len: int) -> KVCache:
+    def make_cache(self, max_len: int) -> SequenceCache:
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
                        self.device)
@@ -141,7 +141,7 @@ class CausalLM(nn.Module):
     def forward(
         self,
         ids: torch.Tensor,
-        cache: KVCache,
+        cache: SequenceCache,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         capture: Sequence[int] = (),
@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
         stack = self._native.get(self.model.layers, x) if invariant_pass(t, chain) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
-            x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))
+            x, captured = stack.run(x, positions, cache.attention.k, cache.attention.v, start, slots, offsets, list(capture))
         else:
             x, captured = self._layers(x, step, capture)
         cache.advance(t)
@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
         return self.logits(x), captured
 
     def prefill(
-        self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None
+        self, ids: torch.Tensor, cache: SequenceCache, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """:meth:`forward` over ``ids`` [T] in passes of at most :meth:`prefill_rows` rows (bitwise the keys
         and values of any other cut); logits [1, V] of the last row."""
@@ -211,7 +211,7 @@ class CausalLM(nn.Module):
     def forward_static(
         self,
         ids: torch.Tensor,
-        cache: KVCache,
+        cache: SequenceCache,
         positions: torch.Tensor,
         slots: torch.Tensor,
         mask: torch.Tensor,

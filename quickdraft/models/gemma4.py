@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import KVCache, KVLayout
+from quickdraft.cache import KVCache, KVLayout, SequenceCache
 from quickdraft.config import ModelConfig
 from quickdraft.models import gemma3, layers
 from quickdraft.models.batch_invariance import Linear
@@ -245,7 +245,7 @@ class CausalLM(gemma3.CausalLM):
     backbone = _Backbone
     converts_checkpoint = True
 
-    def make_cache(self, max_len: int) -> KVCache:
+    def make_cache(self, max_len: int) -> SequenceCache:
         return KVCache(0, 0, 0, max_len, self.kv_dtype or self.dtype, self.device, layout=kv_layout(self.config))
 
     def layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:

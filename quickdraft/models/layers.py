@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import SequenceCache
 from quickdraft.config import ModelConfig
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, Linear, invariant_pass
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_grouped, ggml_linear_multi
@@ -227,7 +227,7 @@ class RowSlots:
 
     slots: list[torch.Tensor]
     slot_pos: torch.Tensor
-    lanes: list[KVCache] | None = None
+    lanes: list[SequenceCache] | None = None
 
 
 @dataclass
@@ -237,7 +237,7 @@ class Step:
     positions: torch.Tensor  # [T] long, RoPE positions
     start: int  # first cache slot written by this pass
     mask: torch.Tensor | None  # [T, start + T] bool (True = may attend), None = every slot up to the end
-    cache: KVCache
+    cache: SequenceCache
     tree: bool = False  # mask is not causal: short passes gather each row's visible slots
     row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i, in position order
     # The position each slot up to the pass's end holds, where slots are not positions (a pass over
@@ -247,7 +247,7 @@ class Step:
     # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
     # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
     slots: torch.Tensor | None = None
-    lanes: list[KVCache] | None = None  # a pass over several sequences: each row's own cache (RowSlots.lanes)
+    lanes: list[SequenceCache] | None = None  # a pass over several sequences: each row's own cache (RowSlots.lanes)
     # What every layer takes besides the hidden state, computed once per pass by
     # :meth:`CausalLM.layer_inputs` (Gemma 4's per-layer embeddings [T, layers, P]); None for most models.
     layer_inputs: torch.Tensor | None = None
@@ -277,7 +277,7 @@ class Step:
                 self._parents = [int(o[-2]) - self.start if o.numel() > 1 else -1 for o in own]
         return self._parents
 
-    def state_cache(self, row: int) -> KVCache:
+    def state_cache(self, row: int) -> SequenceCache:
         """The cache whose recurrent state row ``row`` continues when it has no parent in the pass."""
         return self.lanes[row] if self.lanes is not None else self.cache
 
@@ -372,7 +372,7 @@ class Attention(nn.Module):
             if self.k_norm is not None:
                 k = self.k_norm(k)
             k = self.rope(k, step.positions)
-        cache = step.cache
+        cache = step.cache.attention
         if step.slots is not None:  # static shapes: write by slot tensor, attend over L slots
             kc, vc = cache.k_layers[layer], cache.v_layers[layer]
             if k is not None and v is not None:

@@ -86,7 +86,7 @@ class Llama4Attention(Attention):
         if self.temperature:
             scales = temperature_scales(step.positions, self.floor_scale, self.attn_scale)
             q = (q * scales.unsqueeze(-1)).to(q.dtype)
-        keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
+        keys, values = step.cache.attention.write(layer, step.start, k, v)  # [Hkv, S, D]
         if self.chunk is None:
             if t > BLOCKED_MAX_ROWS:
                 out = self._attend(q, keys, values, step.mask)

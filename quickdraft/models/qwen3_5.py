@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import HybridCache, RecurrentShape, State
+from quickdraft.cache import HybridCache, KVCache, RecurrentShape, RecurrentState, State
 from quickdraft.config import LINEAR_ATTENTION, ModelConfig
 from quickdraft.models import causal_lm
 from quickdraft.models.batch_invariance import Linear
@@ -101,14 +101,14 @@ class GatedDeltaNet(nn.Module):
         parents = step.row_parents()
 
         def before(i: int) -> State:  # the state a row without a parent in the pass continues
-            cache = step.state_cache(i)
-            assert isinstance(cache, HybridCache), "a hybrid model runs on its own make_cache()"
-            return cache.state(self.index)
+            recurrent = step.state_cache(i).recurrent
+            assert recurrent is not None, "a hybrid model runs on its own make_cache()"
+            return recurrent.state(self.index)
 
         starts = [before(i) for i, p in enumerate(parents) if p < 0]
-        cache = step.cache
-        assert isinstance(cache, HybridCache)
-        keep = cache.kept_rows()
+        recurrent = step.cache.recurrent
+        assert recurrent is not None
+        keep = recurrent.kept_rows()
         mod = active_kernels()
         if mod is not None and mixed.dtype == torch.float32 and not mixed.is_cuda and not torch.is_grad_enabled() \
                 and all(s.dtype == torch.float32 for start in starts for s in start):
@@ -122,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, every = self._rows(mixed, z, b, a, parents, starts)
             states = [s if kept else None for s, kept in zip(every, keep, strict=True)]
-        cache.record(self.index, states)
+        recurrent.record(self.index, states)
         return self.out_proj(out)
 
     def _rows(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, parents: list[int],
@@ -254,14 +254,15 @@ class CausalLM(causal_lm.CausalLM):
     def make_cache(self, max_len: int) -> HybridCache:
         cfg = self.config
         attention_layers = cfg.num_hidden_layers - sum(_linear_layers(cfg))
-        return HybridCache(attention_layers, cfg.num_key_value_heads, cfg.head_dim, max_len,
-                           self.kv_dtype or self.dtype, self.device, self.recurrent_shape(), self.dtype)
+        attention = KVCache(attention_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
+                            self.device)
+        return HybridCache(attention, RecurrentState(self.recurrent_shape(), self.dtype, self.device))
 
     def _layers(self, x: torch.Tensor, step: Step, capture: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = step.cache
-        if not isinstance(cache, HybridCache):
+        recurrent = step.cache.recurrent
+        if recurrent is None:
             raise ValueError("a hybrid model runs on caches from its own make_cache()")
-        cache.begin_rows(step.row_parents(), step.outputs)
+        recurrent.begin_rows(step.start, step.row_parents(), step.outputs)
         return super()._layers(x, step, capture)
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

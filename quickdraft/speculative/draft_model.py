@@ -41,7 +41,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from quickdraft.cache import CacheSnapshot, KVCache, KVPool
+from quickdraft.cache import CacheSnapshot, KVPool, SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
@@ -94,7 +94,7 @@ class ModelPass(DraftPass):
     the position each slot of the cache holds (they lag the slots after a capped catch-up)."""
 
     model: CausalLM
-    cache: KVCache
+    cache: SequenceCache
     ids: Tensor
     positions: Tensor | None
     slot_positions: Sequence[int]

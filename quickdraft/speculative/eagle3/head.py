@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import KVCache, SequenceCache
 from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
@@ -298,7 +298,7 @@ class DraftHead(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
+    def new_cache(self, max_len: int | None = None) -> SequenceCache:
         cfg = self.config
         return KVCache(1, cfg.num_key_value_heads, cfg.head_dim, max_len or self.max_len, self.dtype, self.device)
 
@@ -313,7 +313,7 @@ class DraftHead(nn.Module):
         self,
         embeds: Tensor,
         features: Tensor,
-        cache: KVCache,
+        cache: SequenceCache,
         positions: Tensor | None = None,
         mask: Tensor | None = None,
         num_logits: int | None = None,
@@ -368,7 +368,7 @@ class DraftHead(nn.Module):
         return seen & (slot >= committed - window)  # drafted slots lie above the committed ones
 
     @torch.inference_mode()
-    def forward_rows(self, embeds: Tensor, features: Tensor, buffer: KVCache, positions: Tensor, rows: RowSlots,
+    def forward_rows(self, embeds: Tensor, features: Tensor, buffer: SequenceCache, positions: Tensor, rows: RowSlots,
                      logit_rows: Tensor) -> tuple[Tensor, Tensor]:
         """A pass over rows of several sequences (lanes of a :class:`~quickdraft.cache.KVPool`),
         each row seeing exactly the slots ``rows`` lists (its window already applied): keys and
