@@ -30,7 +30,7 @@ from quickdraft.cache import HybridCache
 from quickdraft.config import DEFAULT_DRAFT_VOCAB, FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from quickdraft.engine import Engine
 from quickdraft.loading.load import resolve
-from quickdraft.models.layers import Step, causal_mask
+from quickdraft.models.forward_pass import Step, causal_mask
 from quickdraft.models.qwen3_5 import CausalLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter

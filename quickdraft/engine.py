@@ -43,8 +43,8 @@ from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.forward_pass import RowSlots
 from quickdraft.models.graphs import make_step_graphs
-from quickdraft.models.layers import RowSlots
 from quickdraft.prefix_cache import PrefixCache, as_ids, common_prefix
 from quickdraft.sampling import (
     SamplingParams,

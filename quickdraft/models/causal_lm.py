@@ -27,16 +27,8 @@ from quickdraft.models.batch_invariance import (
     invariant_pass,
     prefill_chunks,
 )
-from quickdraft.models.layers import (
-    DecoderLayer,
-    RMSNorm,
-    Rope,
-    RowSlots,
-    Step,
-    allocate_empty,
-    causal_mask,
-    embedding,
-)
+from quickdraft.models.forward_pass import RowSlots, Step, causal_mask
+from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, allocate_empty, embedding
 from quickdraft.models.native import NativeStack
 from quickdraft.quant.fp8 import FP8Linear
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, layout_epoch
@@ -167,12 +159,12 @@ class CausalLM(nn.Module):
             if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
                 raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
             step = Step(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
-                        slot_pos=rows.slot_pos, lanes=rows.lanes)
+                        slot_pos=rows.slot_pos, lanes=rows.lanes, chain_rows=self.chain_rows)
         else:
             tree = mask is not None
             if mask is None:
                 mask = causal_mask(start, t, device)
-            step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+            step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree, chain_rows=self.chain_rows)
         if num_logits is not None:
             step.outputs = list(range(t - num_logits, t))
         elif logit_rows is not None:
@@ -233,6 +225,8 @@ class CausalLM(nn.Module):
 
     def _layers(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every decoder layer in turn (Python), with the inputs of the ``capture`` layers."""
+        if (recurrent := step.cache.recurrent) is not None:  # linear-attention layers record their rows' states
+            recurrent.begin_rows(step.start, step.row_parents(), step.outputs)
         captured = []
         for i, layer in enumerate(self.model.layers):
             if i in capture:

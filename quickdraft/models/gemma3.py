@@ -30,14 +30,8 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import causal_lm
-from quickdraft.models.layers import (
-    MLP,
-    Attention,
-    RMSNorm,
-    Rope,
-    Step,
-    embedding,
-)
+from quickdraft.models.forward_pass import Step
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, embedding
 
 SLIDING = "sliding_attention"
 

@@ -33,8 +33,9 @@ from quickdraft.cache import KVCache, KVLayout, SequenceCache
 from quickdraft.config import ModelConfig
 from quickdraft.models import gemma3, layers
 from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
-from quickdraft.models.layers import Attention, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import Attention, Rope, embedding, linear_group
 from quickdraft.models.moe import (
     check_moe_config,
     convert_expert_layouts,

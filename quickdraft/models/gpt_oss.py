@@ -63,7 +63,7 @@ class SinkAttention(Attention):
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(self.nh))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         k, v = k.to(q.dtype), v.to(q.dtype)
         t, s = q.shape[1], k.shape[1]
         k = torch.cat([k, k.new_zeros(k.shape[0], 1, k.shape[2])], dim=1)

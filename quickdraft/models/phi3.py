@@ -22,7 +22,8 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
 from quickdraft.models.batch_invariance import Linear
-from quickdraft.models.layers import Attention, RMSNorm, Rope, Step, embedding
+from quickdraft.models.forward_pass import Step
+from quickdraft.models.layers import Attention, RMSNorm, Rope, embedding
 
 
 class PartialRope(Rope):

@@ -33,8 +33,9 @@ from quickdraft.cache import HybridCache, KVCache, RecurrentShape, RecurrentStat
 from quickdraft.config import LINEAR_ATTENTION, ModelConfig
 from quickdraft.models import causal_lm
 from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import GemmaRMSNorm
-from quickdraft.models.layers import MLP, Attention, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import MLP, Attention, Rope, embedding, linear_group
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts
 from quickdraft.models.phi3 import PartialRope
 from quickdraft.quant.ggml import active_kernels
@@ -98,16 +99,17 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         mixed, z, b, a = linear_group([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
+        recurrent = step.cache.recurrent
+        if recurrent is None:
+            raise ValueError("a hybrid model runs on caches from its own make_cache()")
         parents = step.row_parents()
 
         def before(i: int) -> State:  # the state a row without a parent in the pass continues
-            recurrent = step.state_cache(i).recurrent
-            assert recurrent is not None, "a hybrid model runs on its own make_cache()"
-            return recurrent.state(self.index)
+            lane = step.state_cache(i).recurrent
+            assert lane is not None, "a hybrid model runs on its own make_cache()"
+            return lane.state(self.index)
 
         starts = [before(i) for i, p in enumerate(parents) if p < 0]
-        recurrent = step.cache.recurrent
-        assert recurrent is not None
         keep = recurrent.kept_rows()
         mod = active_kernels()
         if mod is not None and mixed.dtype == torch.float32 and not mixed.is_cuda and not torch.is_grad_enabled() \
@@ -257,13 +259,6 @@ class CausalLM(causal_lm.CausalLM):
         attention = KVCache(attention_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
                             self.device)
         return HybridCache(attention, RecurrentState(self.recurrent_shape(), self.dtype, self.device))
-
-    def _layers(self, x: torch.Tensor, step: Step, capture: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        recurrent = step.cache.recurrent
-        if recurrent is None:
-            raise ValueError("a hybrid model runs on caches from its own make_cache()")
-        recurrent.begin_rows(step.start, step.row_parents(), step.outputs)
-        return super()._layers(x, step, capture)
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision

@@ -59,9 +59,10 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
 from quickdraft.models.gemma4 import Gemma4Attention, RMSNorm, layer_config
-from quickdraft.models.layers import Rope, Step
+from quickdraft.models.layers import Rope
 from quickdraft.quant.ggml import GGMLLinear, kernels_active
 from quickdraft.speculative.base import DraftPass, PassOutput, Steps
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape, default_shape

@@ -34,7 +34,7 @@ from quickdraft.speculative.eagle3.head import DraftHead, Eagle3Config
 
 if TYPE_CHECKING:
     from quickdraft.models.causal_lm import CausalLM
-    from quickdraft.models.layers import Step
+    from quickdraft.models.forward_pass import Step
 
 
 class MTPHead(DraftHead):

@@ -59,7 +59,7 @@ from quickdraft.cache import CacheSnapshot, KVPool, SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, prefill_chunks
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import RowSlots
+from quickdraft.models.forward_pass import RowSlots
 from quickdraft.sampling import (
     SamplingParams,
     probs_from_logits,

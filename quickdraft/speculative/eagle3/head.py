@@ -51,7 +51,8 @@ from quickdraft.cache import KVCache, SequenceCache
 from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
-from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, RowSlots, Step, causal_mask
+from quickdraft.models.forward_pass import RowSlots, Step, causal_mask
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope
 
 
 @dataclass(frozen=True)
