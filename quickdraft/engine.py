@@ -4,7 +4,7 @@ Each :meth:`Engine.step` is ONE target pass over the rows of every running gener
 new arrival's prompt, or a running one's last token and draft. One sequence alone runs on its own
 KV lane exactly as below; several share a pass through the pool's staging slots, each row
 attending to its own sequence's keys in the same order (:class:`~quickdraft.cache.KVPool`,
-:class:`~quickdraft.models.layers.RowSlots`), so every answer is bitwise what it is alone.
+:class:`~quickdraft.models.forward_pass.RowSlots`), so every answer is bitwise what it is alone.
 
 Per request: prefill the target (and the drafter); then repeat
 draft -> ONE target pass over [last token, drafted tokens] -> verify -> roll back the cache to the

@@ -13,8 +13,9 @@ of Gated DeltaNet linear attention and gated full attention, as transformers' ``
   o_proj), q/k RMSNorm per head, RoPE on the first ``partial_rotary_factor`` of each head;
 * RMSNorms outside the linear-attention block multiply by ``1 + weight`` (Gemma's form).
 
-The recurrent state lives in a :class:`~quickdraft.cache.HybridCache` (keys and values only for the
-full-attention layers). Each row of a pass continues its parent's state (:meth:`Step.row_parents`:
+The recurrent state lives in a :class:`~quickdraft.cache.RecurrentState`, which a
+:class:`~quickdraft.cache.HybridCache` composes beside the full-attention layers' keys and
+values. Each row of a pass continues its parent's state (:meth:`Step.row_parents`:
 the row before it on a chain, its tree parent, or the state before the pass), computed one row at
 a time in the same operations whatever the pass holds, so a token's result is bitwise the same
 in a prefill chunk, a verification chain, a tree or a pass over several sequences.
