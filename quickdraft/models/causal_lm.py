@@ -20,14 +20,13 @@ from torch import nn
 from quickdraft.cache import KVCache, KVType, SequenceCache
 from quickdraft.config import ModelConfig
 from quickdraft.models.batch_invariance import (
-    BLOCKED_MAX_ROWS,
     NATIVE_CHAIN_ROWS,
     PREFILL_CHUNK,
     Linear,
     invariant_pass,
     prefill_chunks,
 )
-from quickdraft.models.forward_pass import RowSlots, Step, causal_mask
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, allocate_empty, embedding
 from quickdraft.models.native import NativeStack
 from quickdraft.quant.fp8 import FP8Linear
@@ -155,23 +154,14 @@ class CausalLM(nn.Module):
         device = ids.device
         if positions is None:
             positions = torch.arange(start, end, device=device)
-        if rows is not None:
-            if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
-                raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
-            step = Step(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
-                        slot_pos=rows.slot_pos, lanes=rows.lanes, chain_rows=self.chain_rows)
-        else:
-            tree = mask is not None
-            if mask is None:
-                mask = causal_mask(start, t, device)
-            step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree, chain_rows=self.chain_rows)
+        step = Step.of_pass(cache, start, positions, mask, rows, self.chain_rows)
         if num_logits is not None:
             step.outputs = list(range(t - num_logits, t))
         elif logit_rows is not None:
             step.outputs = logit_rows.tolist()
         x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
-        chain = rows is None and mask is None
+        chain = not step.tree and step.mask is None  # (a chain of one row: a longer chain's mask is causal)
         stack = self._native.get(self.model.layers, x) if invariant_pass(t, chain) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)

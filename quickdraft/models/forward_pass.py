@@ -60,7 +60,7 @@ class RowSlots:
     :class:`~quickdraft.cache.HybridCache`) a row with no earlier row of its own in the pass continues."""
 
     slots: list[torch.Tensor]
-    slot_pos: torch.Tensor
+    slot_pos: torch.Tensor | None = None  # None: committed slot j holds position j, the pass's slots its positions
     lanes: list[SequenceCache] | None = None
 
 
@@ -228,6 +228,25 @@ class Step:
     def __post_init__(self) -> None:
         if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
             self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
+
+    @classmethod
+    def of_pass(
+        cls, cache: SequenceCache, start: int, positions: torch.Tensor, mask: torch.Tensor | None = None,
+        rows: RowSlots | None = None, chain_rows: int = NATIVE_CHAIN_ROWS,
+    ) -> Step:
+        """The description of a pass over ``positions`` [T] from cache slot ``start``: a chain (no
+        ``mask``, no ``rows``: causal), a tree (``mask`` [T, start + T]) or rows that each see the
+        slots ``rows`` lists (a pass over several sequences; at most BLOCKED_MAX_ROWS rows)."""
+        t = positions.shape[0]
+        if rows is not None:
+            if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
+                raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
+            return cls(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
+                       slot_pos=rows.slot_pos, lanes=rows.lanes, chain_rows=chain_rows)
+        tree = mask is not None
+        if mask is None:
+            mask = causal_mask(start, t, positions.device)
+        return cls(positions=positions, start=start, mask=mask, cache=cache, tree=tree, chain_rows=chain_rows)
 
     def backend(self, q: torch.Tensor) -> AttentionBackend:
         """The attention backend of this pass (chosen at its first attention layer, from its query

@@ -59,7 +59,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.forward_pass import Step
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
 from quickdraft.models.gemma4 import Gemma4Attention, RMSNorm, layer_config
 from quickdraft.models.layers import Rope
@@ -338,7 +338,7 @@ class Gemma4Assistant(DraftHead):
         sliding layer's window then keeps the last of them)."""
         seen = torch.arange(context, device=self.device)
         positions = torch.full((rows,), context, dtype=torch.long, device=self.device)
-        return Step(positions=positions, start=context, mask=None, cache=cache, tree=True, row_slots=[seen] * rows)
+        return Step.of_pass(cache, context, positions, rows=RowSlots([seen] * rows))
 
 
 # ------------------------------------------------------------------------------------ loading

@@ -51,7 +51,7 @@ from quickdraft.cache import KVCache, SequenceCache
 from quickdraft.config import ModelConfig, _rope_scaling, _rope_theta
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
-from quickdraft.models.forward_pass import RowSlots, Step, causal_mask
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope
 
 
@@ -334,14 +334,11 @@ class DraftHead(nn.Module):
         start, end = cache.reserve(t)
         if positions is None:
             positions = torch.arange(start, end, device=embeds.device)
-        tree = mask is not None
         window = self.config.sliding_window
         attn = self.attention
         if committed is not None and window is not None:
-            mask, tree, attn.window = self.visible(start, t, mask, committed), True, None
-        elif mask is None:
-            mask = causal_mask(start, t, embeds.device)
-        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+            mask, attn.window = self.visible(start, t, mask, committed), None
+        step = Step.of_pass(cache, start, positions, mask)
         try:
             h = self.layer_rows(embeds.to(self.dtype), features.to(self.dtype), step)
         finally:
@@ -377,8 +374,7 @@ class DraftHead(nn.Module):
         of ``logit_rows``, state [T, H]); every row bitwise what :meth:`forward` computes for it alone."""
         t = embeds.shape[0]
         start, _ = buffer.reserve(t)
-        step = Step(positions=positions, start=start, mask=None, cache=buffer, tree=True, row_slots=rows.slots,
-                    slot_pos=rows.slot_pos)
+        step = Step.of_pass(buffer, start, positions, rows=rows)
         attn = self.attention
         window, attn.window = attn.window, None
         try:
