@@ -51,8 +51,9 @@ def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None
 
 @dataclass(frozen=True)
 class RowSlots:
-    """What each row of a pass sees, given explicitly instead of by a mask: a pass over rows of
-    several sequences (:class:`~quickdraft.cache.KVPool`). ``slots[i]`` [n_i]: the cache slots row i
+    """What each row of a pass sees, row by row: a tree's rows (:class:`Step` builds them from its
+    mask) or, given instead of a mask, a pass over rows of several sequences
+    (:class:`~quickdraft.cache.KVPool`), one sequence's rows being such a pass of one. ``slots[i]`` [n_i]: the cache slots row i
     attends to, in position order (its sequence's committed slots, then its own rows of this pass
     that it may see); ``slot_pos`` [start + T]: the position each slot holds. A row's result is
     bitwise what the same row computes alone over its sequence's own cache (same keys, same order).
@@ -144,22 +145,21 @@ class RowByRow:
     @staticmethod
     def _row(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
              i: int) -> torch.Tensor:
-        chain = step.row_slots is None
+        seen = step.rows
         if layer.chunk is not None:
             pos = step.position_list()[i]
-            if chain:  # slots and positions advance together: the chunk's slots up to its own
+            if seen is None:  # a chain: slots and positions advance together, the chunk's slots up to its own
                 end = step.start + i + 1
                 lo = max(0, end - 1 - pos % layer.chunk)
                 return layer.sdpa(q[:, i : i + 1], k[:, lo:end], v[:, lo:end], None)
-            assert step.row_slots is not None
-            idx = step.row_slots[i]
+            idx = seen.slots[i]
             idx = idx[step.slot_positions()[idx] // layer.chunk == pos // layer.chunk]
-        elif chain:  # row i sees every slot up to its own (the last `window`)
+        elif seen is None:  # a chain: row i sees every slot up to its own (the last `window`)
             end = step.start + i + 1
             lo = 0 if layer.window is None else max(0, end - layer.window)
             return layer.sdpa(q[:, i : i + 1], k[:, lo:end], v[:, lo:end], None)
         else:
-            rows = step.row_slots if layer.window is None else step.windowed(layer.window)[1]
+            rows = seen.slots if layer.window is None else step.windowed(layer.window)[1]
             assert rows is not None
             idx = rows[i]  # tree: prefix + ancestors + self, in slot order
         return layer.sdpa(q[:, i : i + 1], k.index_select(1, idx), v.index_select(1, idx), None)
@@ -198,15 +198,12 @@ class Step:
     mask: torch.Tensor | None  # [T, start + T] bool (True = may attend), None = every slot up to the end
     cache: SequenceCache
     tree: bool = False  # mask is not causal: short passes gather each row's visible slots
-    row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i, in position order
-    # The position each slot up to the pass's end holds, where slots are not positions (a pass over
-    # rows of several sequences, :class:`~quickdraft.cache.KVPool`); None: committed slot j holds
-    # position j and the pass's slots ``positions``.
-    slot_pos: torch.Tensor | None = None
+    # What each row sees, row by row (None: a chain): a tree's rows (from ``mask``, for passes of up to
+    # BLOCKED_MAX_ROWS rows) or a pass over rows of several sequences (given, no mask).
+    rows: RowSlots | None = None
     # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
     # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
     slots: torch.Tensor | None = None
-    lanes: list[SequenceCache] | None = None  # a pass over several sequences: each row's own cache (RowSlots.lanes)
     # What every layer takes besides the hidden state, computed once per pass by
     # :meth:`CausalLM.layer_inputs` (Gemma 4's per-layer embeddings [T, layers, P]); None for most models.
     layer_inputs: torch.Tensor | None = None
@@ -227,7 +224,7 @@ class Step:
 
     def __post_init__(self) -> None:
         if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
-            self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
+            self.rows = RowSlots([row.nonzero().squeeze(1) for row in self.mask])  # once per pass, not per layer
 
     @classmethod
     def of_pass(
@@ -241,8 +238,8 @@ class Step:
         if rows is not None:
             if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
                 raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
-            return cls(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
-                       slot_pos=rows.slot_pos, lanes=rows.lanes, chain_rows=chain_rows)
+            return cls(positions=positions, start=start, mask=None, cache=cache, tree=True, rows=rows,
+                       chain_rows=chain_rows)
         tree = mask is not None
         if mask is None:
             mask = causal_mask(start, t, positions.device)
@@ -271,16 +268,17 @@ class Step:
         if self._parents is None:
             if self.slots is not None:
                 raise ValueError("recurrent layers do not run in static-shape passes")
-            if self.row_slots is None:  # a chain
+            if self.rows is None:  # a chain
                 self._parents = list(range(-1, self.positions.shape[0] - 1))
             else:  # this pass's rows a row sees are its ancestors, then itself (slot order)
-                own = [idx[idx >= self.start] for idx in self.row_slots]
+                own = [idx[idx >= self.start] for idx in self.rows.slots]
                 self._parents = [int(o[-2]) - self.start if o.numel() > 1 else -1 for o in own]
         return self._parents
 
     def state_cache(self, row: int) -> SequenceCache:
         """The cache whose recurrent state row ``row`` continues when it has no parent in the pass."""
-        return self.lanes[row] if self.lanes is not None else self.cache
+        lanes = None if self.rows is None else self.rows.lanes
+        return lanes[row] if lanes is not None else self.cache
 
     def position_list(self) -> list[int]:
         """``positions`` as Python ints (once per pass)."""
@@ -291,19 +289,19 @@ class Step:
     def slot_positions(self) -> torch.Tensor:
         """Position of every cache slot this pass can see [start + T] (sliding windows and
         chunked attention cut by position)."""
-        if self.slot_pos is not None:
-            return self.slot_pos
+        if self.rows is not None and self.rows.slot_pos is not None:
+            return self.rows.slot_pos
         before = torch.arange(self.start, device=self.positions.device, dtype=self.positions.dtype)
         return torch.cat([before, self.positions])
 
     def flat_slots(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Tree rows' visible slots as one flat tensor and row offsets [T + 1] (the native
         attention's input), for a window size or None; (None, None) for chains. Once per pass."""
-        if self.row_slots is None:
+        if self.rows is None:
             return None, None
         key = -1 if window is None else window
         if key not in self._flat:
-            rows = self.row_slots if window is None else self.windowed(window)[1]
+            rows = self.rows.slots if window is None else self.windowed(window)[1]
             assert rows is not None
             lens = torch.tensor([0] + [int(r.numel()) for r in rows])
             self._flat[key] = (torch.cat(rows).to(torch.int64), lens.cumsum(0))
@@ -317,12 +315,12 @@ class Step:
         if size not in self._windows:
             slot_pos = self.slot_positions()
             mask = None  # rows given by slot lists alone (a pass over several sequences) need none
-            if self.mask is not None or self.row_slots is None:
+            if self.mask is not None or self.rows is None:
                 near = slot_pos.unsqueeze(0) > self.positions.unsqueeze(1) - size  # [T, start + T]
                 mask = near if self.mask is None else self.mask & near
             rows = None
-            if self.row_slots is not None:
-                rows = [idx[slot_pos[idx] > p - size] for idx, p in zip(self.row_slots, self.positions.tolist(), strict=True)]
+            if self.rows is not None:
+                rows = [idx[slot_pos[idx] > p - size] for idx, p in zip(self.rows.slots, self.positions.tolist(), strict=True)]
             self._windows[size] = (mask, rows)
         return self._windows[size]
 
