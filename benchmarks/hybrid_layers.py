@@ -30,7 +30,7 @@ from quickdraft.cache import HybridCache
 from quickdraft.config import DEFAULT_DRAFT_VOCAB, ModelConfig
 from quickdraft.engine import Engine
 from quickdraft.loading.load import resolve
-from quickdraft.models.layers import Step, causal_mask
+from quickdraft.models.forward_pass import Step, causal_mask
 from quickdraft.models.qwen3_5 import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
@@ -86,7 +86,7 @@ def time_layers(model: CausalLM, context: int, rows: int, repeats: int) -> dict[
                 step = Step(positions=torch.arange(start, start + rows), start=start, mask=causal_mask(start, rows, x.device),
                             cache=cache)
                 assert isinstance(cache, HybridCache)
-                cache.begin_rows(step.row_parents())
+                cache.recurrent.begin_rows(start, step.row_parents())
                 layer = model.model.layers[i]
                 t0 = time.perf_counter()
                 layer(x, i, step)

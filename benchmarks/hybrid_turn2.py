@@ -4,7 +4,7 @@ A Gated DeltaNet model cannot roll its recurrent state back, so a server that ke
 at the end of the last request recomputes the whole conversation when the next turn's prompt
 diverges from it anywhere (the answer it generated against the client's copy of it, a re-rendered
 template): llama.cpp's issue #20225 reports ~8 minutes a turn at 15k tokens. quickdraft keeps the
-recurrent state at every 64th token of a prompt (quickdraft.cache.HybridCache checkpoints, shared
+recurrent state at every 64th token of a prompt (quickdraft.cache.RecurrentState checkpoints, shared
 through the prefix cache), so turn 2 computes from the last checkpoint inside turn 1's prompt.
 
 Both servers get the same token ids over HTTP (quickdraft: ``/v1/completions`` with a list of ids;

@@ -42,11 +42,12 @@ def measure(args: argparse.Namespace, kv: str) -> list[dict[str, object]]:
     loaded = load_model(args.model, max_context=max_len, kv_dtype=kv)
     model, cfg = loaded.model, loaded.config
     cache = model.make_cache(max_len)
+    stored = cache.attention  # (a dense model's cache: its keys and values)
     g = torch.Generator().manual_seed(0)
     for layer in range(cfg.num_hidden_layers):  # plausible magnitudes, no NaNs
-        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g).to(cache.k.dtype))
-        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g).to(cache.v.dtype))
-    print(f"{args.model}: KV {cache.k.dtype}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} / "
+        stored.k[layer].copy_(torch.randn(stored.k[layer].shape, generator=g).to(stored.k.dtype))
+        stored.v[layer].copy_(torch.randn(stored.v[layer].shape, generator=g).to(stored.v.dtype))
+    print(f"{args.model}: KV {stored.k.dtype}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} / "
           f"{cfg.num_key_value_heads} heads", file=sys.stderr)
 
     def one_pass(ids: torch.Tensor, ctx: int) -> None:
@@ -58,7 +59,7 @@ def measure(args: argparse.Namespace, kv: str) -> list[dict[str, object]]:
         assert ops is not None
         end = ctx + q.shape[1]
         for layer in range(cfg.num_hidden_layers):
-            ops.attend(q, cache.k_layers[layer][:, :end], cache.v_layers[layer][:, :end], ctx, 0,
+            ops.attend(q, stored.k_layers[layer][:, :end], stored.v_layers[layer][:, :end], ctx, 0,
                        cfg.head_dim ** -0.5, None, None)
 
     results: list[dict[str, object]] = []

@@ -140,7 +140,7 @@ def describe_memory(engine: Engine, prefix: PrefixCache) -> str:
     cache = engine.cache
     per_token = cache.bytes_per_token
     lanes = f"{engine.max_sequences} sequences x " if engine.max_sequences > 1 else ""
-    line = (f"KV cache: {lanes}{cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.kind}) = "
+    line = (f"KV cache: {lanes}{cache.max_len} tokens x {per_token / 1024:.1f} KB ({cache.attention.kind}) = "
             f"{engine.kv_bytes / 2**20:.0f} MB; ")
     if not prefix.enabled:
         return line + "prefix cache: off"

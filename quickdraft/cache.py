@@ -11,14 +11,16 @@ Worked example (chain speculation, k = 3)::
     verdict n = 1:  keep last + d0 -> truncate(12); slots 12, 13 are dead and will be overwritten
 
 Models with linear-attention layers (Gated DeltaNet: qwen3_5, qwen3_next) also carry a recurrent
-state per sequence, which no slot holds: :class:`HybridCache` keeps each row's state of the last
-pass, so rollback (``truncate``, ``compact``) stays a pointer move within it, and checkpoints at
-every ``STATE_EVERY``-th position for the prefix cache.
+state per sequence, which no slot holds: :class:`HybridCache` composes a :class:`KVCache` and a
+:class:`RecurrentState` (each row's state of the last pass, so rollback, ``truncate`` and
+``compact``, stays a pointer move within it, and checkpoints at every ``STATE_EVERY``-th position
+for the prefix cache) behind the one :class:`SequenceCache` interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -108,6 +110,65 @@ class CacheSnapshot:
         return max([n for n in self.states if n <= m], default=0)
 
 
+class SequenceCache(Protocol):
+    """What the engine, the prefix cache, the drafters and a :class:`KVPool` use of one sequence's
+    cache: :class:`KVCache` (keys and values alone) and :class:`HybridCache` (those and a recurrent
+    state beside them) are its two kinds. Rollback and reuse are its methods; what it holds for
+    the layers is :attr:`attention` (keys and values) and :attr:`recurrent` (None: no recurrent
+    layers)."""
+
+    copyable: bool  # snapshot/restore hold the whole state (a sharded cache's other ranks do not)
+    length: int  # tokens held; slots [length, max_len) are free (or dead, after a rollback)
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes in every layer."""
+
+    @property
+    def attention(self) -> KVCache:
+        """The keys and values the attention layers write and read."""
+
+    @property
+    def recurrent(self) -> RecurrentState | None:
+        """The linear-attention layers' recurrent state; None for a model without them."""
+
+    def region(self, base: int, length: int) -> SequenceCache:
+        """A cache that IS slots ``[base, base + length)`` of this one (one :class:`KVPool` lane)."""
+
+    def reserve(self, t: int) -> tuple[int, int]:
+        """Slots ``[start, end)`` for ``t`` new tokens; raises QuickdraftError when the context is full."""
+
+    def advance(self, t: int) -> None: ...
+
+    def rollback_point(self, m: int) -> int:
+        """The longest prefix of at most ``m`` tokens that :meth:`truncate` (or a snapshot) can keep."""
+
+    def truncate(self, n: int) -> None:
+        r"""Keep the first ``n`` tokens. Keys and values: O(1), a pointer move (later slots are dead
+        and get overwritten). A recurrent state is held only at :meth:`rollback_point`\ s: elsewhere
+        this raises QuickdraftError and changes nothing. Callers truncate to lengths they know are
+        held: the engine to a verified chain's end (the verify pass kept it), the prefix cache and
+        drafters to ``rollback_point(m)``. ValueError: ``n`` outside ``[0, length]``."""
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep the last pass's rows ``start + keep[i]`` [n] (a tree path), at ``start + i``."""
+
+    def continue_from(self, source: SequenceCache, row: int) -> None:
+        """After :meth:`KVPool.keep` appended rows of ``source``'s last pass, continue after its row ``row``."""
+
+    def reset(self) -> None: ...
+
+    def snapshot(self, n: int, copy: bool = True) -> CacheSnapshot: ...
+
+    def restore(self, snap: CacheSnapshot, n: int) -> None: ...
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -175,6 +236,14 @@ class KVCache:
         return self.keys[0].device
 
     @property
+    def attention(self) -> KVCache:
+        return self
+
+    @property
+    def recurrent(self) -> RecurrentState | None:
+        return None
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         """The element type slots are stored in (uint8 for q8_0)."""
         return self.keys[0].dtype
@@ -224,7 +293,8 @@ class KVCache:
         self.length += t
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` slots. O(1): later slots are dead and get overwritten."""
+        """Keep the first ``n`` slots. O(1): later slots are dead and get overwritten. Never fails
+        for ``n`` in ``[0, length]`` (ValueError outside)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
@@ -255,7 +325,7 @@ class KVCache:
         this cache) can keep: any, for keys and values alone."""
         return max(0, min(m, self.length))
 
-    def continue_from(self, source: KVCache, row: int) -> None:
+    def continue_from(self, source: SequenceCache, row: int) -> None:
         """After :meth:`KVPool.keep` appended rows of ``source``'s last pass to this cache, its state
         is that after pass row ``row``: nothing to do where keys and values are all of it."""
 
@@ -299,7 +369,7 @@ class KVPool:
     :meth:`keep` copies each sequence's kept rows from staging to the end of its region.
     """
 
-    def __init__(self, buffer: KVCache, lanes: int, lane_len: int, staging: int) -> None:
+    def __init__(self, buffer: SequenceCache, lanes: int, lane_len: int, staging: int) -> None:
         if lanes * lane_len + staging > buffer.max_len:
             raise ValueError(f"{lanes} lanes of {lane_len} slots and {staging} staging slots do not fit {buffer.max_len}")
         self.buffer = buffer
@@ -345,7 +415,7 @@ class KVPool:
         cache = self.lanes[lane]
         n = int(staged.numel())
         start, _ = cache.reserve(n)
-        self.buffer.move_slots(staged.to(self.buffer.device) + self.staging_start, self.base(lane) + start)
+        self.buffer.attention.move_slots(staged.to(self.buffer.device) + self.staging_start, self.base(lane) + start)
         cache.advance(n)
         if n:
             cache.continue_from(self.buffer, int(staged[-1]))  # the pass's rows are its staging slots
@@ -378,30 +448,27 @@ class RecurrentShape:
                 for _ in range(self.layers)]
 
 
-class HybridCache(KVCache):
-    """Keys and values of a hybrid model's attention layers, and the recurrent state of its
-    linear-attention layers, which no slot holds.
+class RecurrentState:
+    """The recurrent state of a hybrid model's linear-attention layers for one sequence, which no
+    KV slot holds (its own store, composed beside the keys and values by :class:`HybridCache`).
 
     A pass records its rows' states per layer (:meth:`begin_rows`, :meth:`record`); each row
     continues its parent's (the pass row before it on its path, or the state at the pass's start).
     Only the rows a caller can reach are kept (:meth:`kept_rows`: the rows the pass returns, its
     last rows and the checkpoints it crosses); a prefill chunk's other rows leave no state.
     Rolling back is then a pointer move, as for keys and values: :meth:`truncate` to a length the
-    last pass reached along a chain (or its start), :meth:`compact` to a tree path's last row,
+    last pass reached along a chain (or its start), :meth:`keep_path` to a tree path's last row,
     :meth:`continue_from` to a row of a :class:`KVPool` pass. Further back the state is known only
     at the checkpoints (every STATE_EVERY tokens) and at 0: :meth:`rollback_point` says where.
     States are never changed in place, so rows, checkpoints and snapshots share tensors freely.
     """
 
-    def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: KVType,
-        device: torch.device | str, shape: RecurrentShape, state_dtype: torch.dtype,
-    ) -> None:
-        super().__init__(num_layers, num_kv_heads, head_dim, max_len, dtype, device)
-        self.shape, self.state_dtype = shape, state_dtype
-        self._clear_states()
+    def __init__(self, shape: RecurrentShape, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
+        self.clear()
 
-    def _clear_states(self) -> None:
+    def clear(self) -> None:
+        """The state of the empty prefix, no pass, no checkpoints."""
         self._base: list[State] | None = None  # the state at _base_len (None: zeros)
         self._base_len = 0
         self._base_known = True  # False: a pool's buffer, whose rows continue their lanes' states
@@ -412,22 +479,15 @@ class HybridCache(KVCache):
         self._rows: list[list[State | None]] = []  # ... and those states, per layer (None: not kept)
         self.checkpoints: dict[int, list[State]] = {}
 
-    def region(self, base: int, length: int) -> HybridCache:
-        view = super().region(base, length)
-        assert isinstance(view, HybridCache)
-        view.shape, view.state_dtype = self.shape, self.state_dtype
-        view._clear_states()
-        return view
-
     # -------------------------------------------------------------- a pass
 
-    def begin_rows(self, parents: list[int], outputs: list[int] | None = None) -> None:
-        """A pass over ``len(parents)`` rows starts at slot ``length``: row i continues the state
-        of row ``parents[i]`` (< i), or -1: the state at ``length``. ``outputs``: the rows whose
+    def begin_rows(self, start: int, parents: list[int], outputs: list[int] | None = None) -> None:
+        """A pass over ``len(parents)`` rows starts after ``start`` tokens: row i continues the state
+        of row ``parents[i]`` (< i), or -1: the state at ``start``. ``outputs``: the rows whose
         results the pass returns (None: all), the rows a caller may continue or roll back to."""
         if self._parents:  # the previous pass left no verdict (a prefill's chunks): settle it
-            self._settle(self.length, strict=False)
-        self._pass_start, self._parents = self.length, list(parents)
+            self._settle(start, strict=False)
+        self._pass_start, self._parents = start, list(parents)
         self._chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
         self._rows = []
         t = len(parents)
@@ -440,7 +500,7 @@ class HybridCache(KVCache):
             if i + 1 == t or parents[i + 1] != i:
                 kept[i] = True
         for i in range(min(self._chain, t)):  # the checkpoints the chain crosses
-            if (self._pass_start + i + 1) % STATE_EVERY == 0:
+            if (start + i + 1) % STATE_EVERY == 0:
                 kept[i] = True
         self._kept = kept
 
@@ -453,7 +513,7 @@ class HybridCache(KVCache):
         if not self._base_known:
             raise QuickdraftError("this cache's recurrent state is unknown (a pool buffer's rows continue their lanes')")
         if self._base is None:
-            self._base = self.shape.zeros(self.device, self.state_dtype)
+            self._base = self.shape.zeros(self.device, self.dtype)
         return self._base[layer]
 
     def record(self, layer: int, states: list[State | None]) -> None:
@@ -481,7 +541,7 @@ class HybridCache(KVCache):
         return bool(self._parents) and len(self._rows) == self.shape.layers
 
     def _state_at(self, n: int) -> tuple[bool, list[State] | None]:
-        """(found, the state after ``n`` tokens) from what the cache holds."""
+        """(found, the state after ``n`` tokens) from what the store holds."""
         j = self._chain_end(n)
         if j is not None and j >= 0:
             return True, self.row_states(j)
@@ -517,7 +577,8 @@ class HybridCache(KVCache):
             self.checkpoints[n] = states
 
     def rollback_point(self, m: int) -> int:
-        m = max(0, min(m, self.length))
+        """The longest prefix of at most ``m`` tokens (``m`` at most the cache's length) whose state
+        this store holds: 0, a checkpoint, the last pass's start or one of its kept chain rows."""
         known = [0, *self.checkpoints]
         if self._parents:
             if self._complete():
@@ -529,46 +590,126 @@ class HybridCache(KVCache):
         return max(n for n in known if n <= m)
 
     def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        """Make the state after ``n`` tokens current; raises QuickdraftError (changing nothing)
+        where :meth:`rollback_point` ``(n) != n``."""
         self._settle(n)
-        self.length = n
 
-    def compact(self, start: int, keep: torch.Tensor) -> None:
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """Continue from the last pass's row ``path[-1]`` (a tree path from the pass's start at
+        ``start``; empty: the start itself); raises QuickdraftError (changing nothing) where the
+        last pass did not start at ``start`` or that row kept no state."""
         if not self._complete() or start != self._pass_start:
             raise QuickdraftError("compact() keeps rows of the last pass; this cache has none from that start")
-        path = keep.tolist()
         states = self.row_states(path[-1]) if path else self._base
-        super().compact(start, keep)
         self._set_base(states, start + len(path), known=self._base_known or bool(path))
 
-    def continue_from(self, source: KVCache, row: int) -> None:
-        assert isinstance(source, HybridCache)
-        self._set_base(source.row_states(row), self.length)
-
-    def reset(self) -> None:
-        super().reset()
-        self._clear_states()
+    def continue_from(self, source: RecurrentState, row: int, n: int) -> None:
+        """The state after ``n`` tokens is that after ``source``'s last-pass row ``row``."""
+        self._set_base(source.row_states(row), n)
 
     # -------------------------------------------------------------- copies
 
-    def snapshot(self, n: int, copy: bool = True) -> CacheSnapshot:
-        snap = super().snapshot(n, copy)
+    def snapshot(self, n: int, copy: bool = True) -> dict[int, list[State]]:
+        """The states a snapshot of the first ``n`` tokens keeps: the checkpoints up to ``n`` and
+        the state at ``n`` where it is held; copies in host memory, or (``copy=False``) shared."""
         found, at_n = self._state_at(n)
         states = {c: s for c, s in self.checkpoints.items() if c <= n}
         if found:
-            states[n] = at_n if at_n is not None else self.shape.zeros(self.device, self.state_dtype)
+            states[n] = at_n if at_n is not None else self.shape.zeros(self.device, self.dtype)
         if copy:
             states = {c: [(a.to("cpu", copy=True), b.to("cpu", copy=True)) for a, b in s] for c, s in states.items()}
-        return CacheSnapshot(snap.keys, snap.values, states)
+        return states
+
+    def restore(self, states: dict[int, list[State]], n: int) -> None:
+        """Load the state after ``n`` tokens (which ``states`` holds) and the checkpoints before it."""
+        device = self.device
+        self.checkpoints = {}
+        for c, s in sorted(states.items()):
+            if c < n and c % STATE_EVERY == 0:
+                self._checkpoint(c, [(a.to(device), b.to(device)) for a, b in s])
+        self._set_base([(a.to(device), b.to(device)) for a, b in states[n]] if n else None, n)
+
+
+class HybridCache:
+    """A hybrid model's cache: the keys and values of its attention layers (:attr:`attention`, a
+    :class:`KVCache`) and the recurrent state of its linear-attention layers (:attr:`recurrent`, a
+    :class:`RecurrentState`), composed behind the one :class:`SequenceCache` interface, as
+    llama.cpp's ``llama_memory_hybrid`` composes its KV cache and ``llama_memory_recurrent``.
+    Every move (truncate, compact, continue_from, snapshot, restore) goes to both; a recurrent
+    state can be rolled back only where it is held (:meth:`rollback_point`)."""
+
+    copyable = True
+
+    def __init__(self, attention: KVCache, recurrent: RecurrentState) -> None:
+        self._attention, self._recurrent = attention, recurrent
+
+    @property
+    def attention(self) -> KVCache:
+        return self._attention
+
+    @property
+    def recurrent(self) -> RecurrentState:
+        return self._recurrent
+
+    @property
+    def length(self) -> int:
+        return self._attention.length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._attention.length = n
+
+    @property
+    def max_len(self) -> int:
+        return self._attention.max_len
+
+    @property
+    def device(self) -> torch.device:
+        return self._attention.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self._attention.bytes_per_token
+
+    def region(self, base: int, length: int) -> HybridCache:
+        """Slots ``[base, base + length)`` of the keys and values, with a recurrent state of its own."""
+        rec = self._recurrent
+        return HybridCache(self._attention.region(base, length), RecurrentState(rec.shape, rec.dtype, rec.device))
+
+    def reserve(self, t: int) -> tuple[int, int]:
+        return self._attention.reserve(t)
+
+    def advance(self, t: int) -> None:
+        self._attention.advance(t)
+
+    def rollback_point(self, m: int) -> int:
+        return self._recurrent.rollback_point(max(0, min(m, self.length)))
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        self._recurrent.truncate(n)  # first: it may refuse, and then nothing has changed
+        self._attention.truncate(n)
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        self._recurrent.keep_path(start, keep.tolist())  # first: it may refuse
+        self._attention.compact(start, keep)
+
+    def continue_from(self, source: SequenceCache, row: int) -> None:
+        if source.recurrent is None:
+            raise ValueError("a hybrid cache continues rows of another hybrid cache only")
+        self._recurrent.continue_from(source.recurrent, row, self.length)
+
+    def reset(self) -> None:
+        self._attention.reset()
+        self._recurrent.clear()
+
+    def snapshot(self, n: int, copy: bool = True) -> CacheSnapshot:
+        snap = self._attention.snapshot(n, copy)
+        return CacheSnapshot(snap.keys, snap.values, self._recurrent.snapshot(n, copy))
 
     def restore(self, snap: CacheSnapshot, n: int) -> None:
         if snap.states is None:
             raise ValueError("a snapshot without recurrent states cannot restore a hybrid model's cache")
-        super().restore(snap, n)
-        device = self.device
-        self.checkpoints = {}
-        for c, s in sorted(snap.states.items()):
-            if c < n and c % STATE_EVERY == 0:
-                self._checkpoint(c, [(a.to(device), b.to(device)) for a, b in s])
-        self._set_base([(a.to(device), b.to(device)) for a, b in snap.states[n]] if n else None, n)
+        self._attention.restore(snap, n)
+        self._recurrent.restore(snap.states, n)

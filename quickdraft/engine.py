@@ -4,7 +4,7 @@ Each :meth:`Engine.step` is ONE target pass over the rows of every running gener
 new arrival's prompt, or a running one's last token and draft. One sequence alone runs on its own
 KV lane exactly as below; several share a pass through the pool's staging slots, each row
 attending to its own sequence's keys in the same order (:class:`~quickdraft.cache.KVPool`,
-:class:`~quickdraft.models.layers.RowSlots`), so every answer is bitwise what it is alone.
+:class:`~quickdraft.models.forward_pass.RowSlots`), so every answer is bitwise what it is alone.
 
 Per request: prefill the target (and the drafter); then repeat
 draft -> ONE target pass over [last token, drafted tokens] -> verify -> roll back the cache to the
@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import KVPool, SequenceCache
 from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.forward_pass import RowSlots
 from quickdraft.models.graphs import make_step_graphs
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
 from quickdraft.prefix_cache import PrefixCache, as_ids, common_prefix
 from quickdraft.sampling import (
     SamplingParams,
@@ -195,7 +196,7 @@ class Generation:
     drafter: Drafter | None
     num_draft: int  # k offered to the drafter per step (0: plain decoding)
     lane: int
-    cache: KVCache
+    cache: SequenceCache
     cached: int = 0  # prompt tokens reused from the prefix cache
     computed: int = 0  # prompt tokens whose keys and values are in the cache
     features: list[torch.Tensor] = field(default_factory=list)  # prompt rows' features, until the drafter reads them
@@ -293,7 +294,7 @@ class Engine:
         self.last_pass_seconds = 0.0  # ... and its seconds
 
     @property
-    def cache(self) -> KVCache:
+    def cache(self) -> SequenceCache:
         """The first lane's KV cache (the only one of a one-sequence engine)."""
         return self.lanes[0]
 
@@ -594,7 +595,7 @@ class Engine:
 
     def _run(
         self,
-        cache: KVCache,
+        cache: SequenceCache,
         ids: torch.Tensor,
         positions: torch.Tensor | None,
         mask: torch.Tensor | None,

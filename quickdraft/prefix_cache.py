@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quickdraft.cache import CacheSnapshot, KVCache
+from quickdraft.cache import CacheSnapshot, SequenceCache
 from quickdraft.speculative.base import Drafter
 
 
@@ -133,7 +133,7 @@ class PrefixCache:
     entries: list[CachedSequence] = field(default_factory=list)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # each working cache's sequence (an engine of several sequences has one per lane)
-    working: weakref.WeakKeyDictionary[KVCache, Working] = field(default_factory=weakref.WeakKeyDictionary)
+    working: weakref.WeakKeyDictionary[SequenceCache, Working] = field(default_factory=weakref.WeakKeyDictionary)
     _tick: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -147,19 +147,19 @@ class PrefixCache:
 
     # -------------------------------------------------------------- per request
 
-    def _working(self, cache: KVCache) -> Working:
+    def _working(self, cache: SequenceCache) -> Working:
         if cache not in self.working:
             self.working[cache] = Working()
         return self.working[cache]
 
-    def held_prefix(self, prompt: np.ndarray, cache: KVCache) -> int:
+    def held_prefix(self, prompt: np.ndarray, cache: SequenceCache) -> int:
         """How many leading ``prompt`` ids ``cache`` still holds from its last sequence (an engine
         of several sequences gives a request the lane that holds the most)."""
         if not self.enabled:
             return 0
         return cache.rollback_point(common_prefix(self._working(cache).held, prompt, cache.length))
 
-    def stored_prefix(self, prompt: np.ndarray, cache: KVCache) -> int:
+    def stored_prefix(self, prompt: np.ndarray, cache: SequenceCache) -> int:
         """How many leading ``prompt`` ids :meth:`reuse` finds computed now in ``cache`` or a stored
         entry (the most it would put into ``cache`` without a running sequence's help)."""
         if not self.enabled:
@@ -169,8 +169,8 @@ class PrefixCache:
         return max(min(self.held_prefix(prompt, cache), limit), stored)
 
     def reuse(
-        self, prompt: np.ndarray, cache: KVCache, drafter: Drafter | None,
-        running: Sequence[tuple[np.ndarray, KVCache]] = (),
+        self, prompt: np.ndarray, cache: SequenceCache, drafter: Drafter | None,
+        running: Sequence[tuple[np.ndarray, SequenceCache]] = (),
     ) -> int:
         """Put the longest cached prefix of ``prompt`` into ``cache`` (and the drafter's state) and
         return its length m: the caller computes ``prompt[m:]``. m < len(prompt) always.
@@ -217,7 +217,7 @@ class PrefixCache:
         self.stats.cached_tokens += m
         return m
 
-    def release(self, tokens: np.ndarray, cache: KVCache, drafter: Drafter | None) -> None:
+    def release(self, tokens: np.ndarray, cache: SequenceCache, drafter: Drafter | None) -> None:
         """A request ended (finished, stopped, cancelled): the working cache holds ``tokens``
         (prompt + committed output) up to its length; remember them for the next request."""
         if not self.enabled:
@@ -240,7 +240,7 @@ class PrefixCache:
                 best, best_m = e, m
         return best, best_m
 
-    def _store_working(self, cache: KVCache) -> None:
+    def _store_working(self, cache: SequenceCache) -> None:
         """Copy the working sequence out (with its drafter's state) unless a stored entry already
         holds it; entries it extends are dropped, then the least recently used go over budget."""
         work = self._working(cache)

@@ -33,7 +33,7 @@ from quickdraft.cache import KVPool
 from quickdraft.engine import Engine, Generation
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.models.layers import RowSlots
+from quickdraft.models.forward_pass import RowSlots
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.metrics import ServerMetrics

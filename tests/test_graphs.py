@@ -20,8 +20,8 @@ from tiny import make_tiny_hf_model
 import quickdraft.engine as engine_mod
 from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.forward_pass import causal_mask
 from quickdraft.models.graphs import MIN_SPAN, StepGraphs, make_step_graphs, supports_static
-from quickdraft.models.layers import causal_mask
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.ngram import NGramDrafter
 

@@ -14,8 +14,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
 
 Q = GGMLQuantizationType

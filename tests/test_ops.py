@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from quickdraft import kernels
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import RMSNorm, Rope, Step, causal_mask
+from quickdraft.models.forward_pass import Step, causal_mask
+from quickdraft.models.layers import RMSNorm, Rope
 
 requires_kernels = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable")
 

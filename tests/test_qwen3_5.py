@@ -88,7 +88,7 @@ def hybrid(folders: dict[str, Path]) -> LoadedModel:
 
 
 def states(cache: HybridCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [cache.state(i) for i in range(cache.shape.layers)]
+    return [cache.recurrent.state(i) for i in range(cache.recurrent.shape.layers)]
 
 
 def same_states(a: HybridCache, b: HybridCache) -> bool:
@@ -212,14 +212,14 @@ def test_a_prefill_keeps_the_states_a_caller_can_reach_and_nothing_else(hybrid: 
     n = len(ids)
     lean = hybrid.model.new_cache()
     hybrid.model(torch.tensor(ids), lean, num_logits=1)  # one pass of n rows, its last row returned
-    kept = [i for i, k in enumerate(lean.kept_rows()) if k]
+    kept = [i for i, k in enumerate(lean.recurrent.kept_rows()) if k]
     assert kept == [STATE_EVERY - 1, n - 1]
     assert lean.rollback_point(n - 3) == STATE_EVERY and lean.rollback_point(n) == n
     with pytest.raises(QuickdraftError, match="cannot roll a recurrent state back"):
         lean.truncate(n - 3)
     full = hybrid.model.new_cache()
     logits(hybrid, ids, full)  # every row returned: every row kept
-    assert all(full.kept_rows())
+    assert all(full.recurrent.kept_rows())
     for cache in (lean, full):
         cache.truncate(STATE_EVERY)
     assert torch.equal(logits(hybrid, ids[STATE_EVERY:], lean), logits(hybrid, ids[STATE_EVERY:], full))
@@ -264,7 +264,7 @@ def test_tree_drafters_match_plain_greedy(case: Case, shape: str) -> None:
     assert got.ids == case.truth == plain.ids and got.stats.drafted > 0
     a, b = plain.engine.cache, got.engine.cache
     assert isinstance(a, HybridCache) and isinstance(b, HybridCache) and a.length == b.length
-    assert torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length]) and same_states(a, b)
+    assert torch.equal(a.attention.k[:, :, : a.length], b.attention.k[:, :, : b.length]) and same_states(a, b)
 
 
 # ------------------------------------------------------------------------- MTP: the model's own drafter

@@ -19,7 +19,7 @@ from tiny import make_tiny_hf_model
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.models.layers import causal_mask
+from quickdraft.models.forward_pass import causal_mask
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import capture_layers_of
 from quickdraft.speculative.policy import Acceptance, AutoDrafter, Candidate, TargetCost

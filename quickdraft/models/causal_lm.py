@@ -17,23 +17,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from quickdraft.cache import KVCache, KVType
+from quickdraft.cache import KVCache, KVType, SequenceCache
 from quickdraft.config import ModelConfig
-from quickdraft.models.layers import (
-    BLOCKED_MAX_ROWS,
+from quickdraft.models.batch_invariance import (
     NATIVE_CHAIN_ROWS,
     PREFILL_CHUNK,
-    DecoderLayer,
     Linear,
-    RMSNorm,
-    Rope,
-    RowSlots,
-    Step,
-    allocate_empty,
-    causal_mask,
-    embedding,
+    invariant_pass,
     prefill_chunks,
 )
+from quickdraft.models.forward_pass import RowSlots, Step
+from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, allocate_empty, embedding
 from quickdraft.models.native import NativeStack
 from quickdraft.quant.fp8 import FP8Linear
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, layout_epoch
@@ -101,7 +95,7 @@ class CausalLM(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         return self
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> SequenceCache:
         return self.make_cache(self.max_len)
 
     # Families whose layers run every pass mode on the shared Step path (chains of up to
@@ -129,7 +123,7 @@ class CausalLM(nn.Module):
                 return PREFILL_CHUNK
         return self.chain_rows
 
-    def make_cache(self, max_len: int) -> KVCache:
+    def make_cache(self, max_len: int) -> SequenceCache:
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
                        self.device)
@@ -138,7 +132,7 @@ class CausalLM(nn.Module):
     def forward(
         self,
         ids: torch.Tensor,
-        cache: KVCache,
+        cache: SequenceCache,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         capture: Sequence[int] = (),
@@ -160,27 +154,20 @@ class CausalLM(nn.Module):
         device = ids.device
         if positions is None:
             positions = torch.arange(start, end, device=device)
-        if rows is not None:
-            if t > BLOCKED_MAX_ROWS or mask is not None or len(rows.slots) != t:
-                raise ValueError(f"a pass with explicit row slots takes one list per row, no mask, at most {BLOCKED_MAX_ROWS} rows")
-            step = Step(positions=positions, start=start, mask=None, cache=cache, tree=True, row_slots=rows.slots,
-                        slot_pos=rows.slot_pos, lanes=rows.lanes)
-        else:
-            tree = mask is not None
-            if mask is None:
-                mask = causal_mask(start, t, device)
-            step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+        step = Step.of_pass(cache, start, positions, mask, rows, self.chain_rows)
         if num_logits is not None:
             step.outputs = list(range(t - num_logits, t))
         elif logit_rows is not None:
             step.outputs = logit_rows.tolist()
         x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
-        chain = rows is None and mask is None
-        stack = self._native.get(self.model.layers, x) if t <= BLOCKED_MAX_ROWS or (chain and t <= NATIVE_CHAIN_ROWS) else None
+        # (as before this Step was built in one place: only a 1-row chain has no mask, so chains of
+        # 65..NATIVE_CHAIN_ROWS rows run the Python layers, the same bits as the stack, not its speed)
+        chain = not step.tree and step.mask is None
+        stack = self._native.get(self.model.layers, x) if invariant_pass(t, chain) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
-            x, captured = stack.run(x, positions, cache.k, cache.v, start, slots, offsets, list(capture))
+            x, captured = stack.run(x, positions, cache.attention.k, cache.attention.v, start, slots, offsets, list(capture))
         else:
             x, captured = self._layers(x, step, capture)
         cache.advance(t)
@@ -193,7 +180,7 @@ class CausalLM(nn.Module):
         return self.logits(x), captured
 
     def prefill(
-        self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None
+        self, ids: torch.Tensor, cache: SequenceCache, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """:meth:`forward` over ``ids`` [T] in passes of at most :meth:`prefill_rows` rows (bitwise the keys
         and values of any other cut); logits [1, V] of the last row."""
@@ -208,7 +195,7 @@ class CausalLM(nn.Module):
     def forward_static(
         self,
         ids: torch.Tensor,
-        cache: KVCache,
+        cache: SequenceCache,
         positions: torch.Tensor,
         slots: torch.Tensor,
         mask: torch.Tensor,
@@ -230,6 +217,8 @@ class CausalLM(nn.Module):
 
     def _layers(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every decoder layer in turn (Python), with the inputs of the ``capture`` layers."""
+        if (recurrent := step.cache.recurrent) is not None:  # linear-attention layers record their rows' states
+            recurrent.begin_rows(step.start, step.row_parents(), step.outputs)
         captured = []
         for i, layer in enumerate(self.model.layers):
             if i in capture:

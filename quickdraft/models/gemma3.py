@@ -38,14 +38,8 @@ from quickdraft.config import (
 )
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
-from quickdraft.models.layers import (
-    MLP,
-    Attention,
-    RMSNorm,
-    Rope,
-    Step,
-    embedding,
-)
+from quickdraft.models.forward_pass import Step
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, embedding
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

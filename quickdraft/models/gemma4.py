@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import KVCache, KVLayout
+from quickdraft.cache import KVCache, KVLayout, SequenceCache
 from quickdraft.config import (
     ConfigUpdate,
     Family,
@@ -43,8 +43,10 @@ from quickdraft.config import (
 )
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import gemma3, layers
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import FULL, GGUF_NORM_NAMES, SLIDING, GemmaMLP, is_sliding
-from quickdraft.models.layers import Attention, Linear, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import Attention, Rope, embedding, linear_group
 from quickdraft.models.moe import (
     check_moe_config,
     convert_expert_layouts,
@@ -439,7 +441,7 @@ class CausalLM(gemma3.CausalLM):
     backbone = _Backbone
     converts_checkpoint = True
 
-    def make_cache(self, max_len: int) -> KVCache:
+    def make_cache(self, max_len: int) -> SequenceCache:
         return KVCache(0, 0, 0, max_len, self.kv_dtype or self.dtype, self.device, layout=kv_layout(self.config))
 
     def layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:

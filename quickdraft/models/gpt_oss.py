@@ -38,8 +38,9 @@ from quickdraft.config import (
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.models import causal_lm, layers
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.gemma3 import is_sliding
-from quickdraft.models.layers import MLP, Attention, Linear, RMSNorm, Rope, embedding
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, embedding
 from quickdraft.models.moe import SparseMoE, check_moe_config, convert_expert_layouts, rowwise
 
 
@@ -133,7 +134,7 @@ class SinkAttention(Attention):
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(self.nh))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         k, v = k.to(q.dtype), v.to(q.dtype)
         t, s = q.shape[1], k.shape[1]
         k = torch.cat([k, k.new_zeros(k.shape[0], 1, k.shape[2])], dim=1)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import SequenceCache
 from quickdraft.config import CUDA_GRAPH_MODES
 from quickdraft.models.layers import MLP, Attention, DecoderLayer
 
@@ -73,7 +73,7 @@ class _Graph:
 class StepGraphs:
     """Runs a model's short passes as CUDA graph replays (see the module docstring)."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, max_rows: int = 32, capture: bool = True) -> None:
+    def __init__(self, model: CausalLM, cache: SequenceCache, max_rows: int = 32, capture: bool = True) -> None:
         reason = supports_static(model)
         if reason is not None:
             raise ValueError(f"CUDA graphs do not apply: {reason}")
@@ -185,7 +185,7 @@ class StepGraphs:
 
 
 def make_step_graphs(
-    model: CausalLM, cache: KVCache, mode: str, warn: Callable[[str], None] | None = None
+    model: CausalLM, cache: SequenceCache, mode: str, warn: Callable[[str], None] | None = None
 ) -> StepGraphs | None:
     """The engine's graphs for ``mode`` 'auto' (on for CUDA models that support them), 'on' (the
     same, but saying why where they cannot be used) or 'off'."""

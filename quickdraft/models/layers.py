@@ -1,71 +1,22 @@
 """Building blocks shared by every decoder: RMSNorm, RoPE, attention over the static cache, MLP.
 
 All tensors are for one sequence (batch 1, the single-user case): activations are ``[T, H]``.
-Linear layers are ``torch.nn.Linear`` here; ``quickdraft.quant`` may swap them for low-bit
-kernels with the same call signature.
+Linear layers are the batch-invariant :class:`~quickdraft.models.batch_invariance.Linear`;
+``quickdraft.quant`` may swap them for low-bit kernels with the same call signature.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
-from quickdraft.quant.ggml import GGMLLinear, active_kernels, ggml_linear_grouped, ggml_linear_multi
-
-ROW_BLOCK = 8  # rows per matmul in the decode/verify path
-BLOCKED_MAX_ROWS = 64  # passes with more rows take the plain (not batch-invariant) path ...
-# ... except chains on the native kernels' path (CPU float32, the kernels built): there the q8 GEMMs,
-# the native attention, the Gated DeltaNet step and Linear's blocked matmuls compute a row the same
-# way up to this many rows (CausalLM.prefill_rows).
-NATIVE_CHAIN_ROWS = 256
-# Prefills run in passes of at most this many rows (CausalLM.prefill_rows: NATIVE_CHAIN_ROWS where the
-# native path runs the whole model): the batch-invariant path, so a token's keys and values are
-# bitwise the same however its sequence is cut into passes (prefix reuse stays exact).
-PREFILL_CHUNK = BLOCKED_MAX_ROWS
-
-
-def prefill_chunks(start: int, end: int, rows: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
-    """Rows ``[start, end)`` cut into the passes a prefill runs: ``(s, e)`` of at most ``rows``."""
-    return [(s, min(s + rows, end)) for s in range(start, end, rows)]
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose result for a row does not depend on how many rows come with it.
-
-    CPU GEMM libraries pick different kernels (and so different reduction orders) for different
-    row counts, so row i of a k-row verification pass could differ in the last bit from the same
-    row decoded alone, and a greedy argmax could flip. Short passes are therefore computed in
-    fixed blocks of ROW_BLOCK rows (zero-padded): every decode and verify row goes through the
-    same kernel, so speculative greedy output stays token-identical to plain decoding. At batch 1
-    the pass is bound by reading the weights, so the padding costs little.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        return blocked_linear(x, self.weight, self.bias)
-
-
-def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` computed the batch-invariant way :class:`Linear` describes (also used by
-    layers that build their weight on the fly, e.g. ``quickdraft.quant.fp8.FP8Linear``)."""
-    t = x.shape[0]
-    if t > NATIVE_CHAIN_ROWS:
-        return F.linear(x, weight, bias)
-    n = weight.shape[0]
-    if 1 < n < 4:  # torch's CPU GEMM sums 2-3 output columns in an order that depends on the other rows
-        weight = torch.cat([weight, weight.new_zeros(4 - n, weight.shape[1])])
-        bias = None if bias is None else torch.cat([bias, bias.new_zeros(4 - n)])
-        return blocked_linear(x, weight, bias)[:, :n].contiguous()
-    pad = (-t) % ROW_BLOCK
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    blocks = [F.linear(x[i : i + ROW_BLOCK], weight, bias) for i in range(0, t + pad, ROW_BLOCK)]
-    return torch.cat(blocks)[:t] if len(blocks) > 1 else blocks[0][:t]
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import Step, fused_ops
+from quickdraft.quant.ggml import GGMLLinear, ggml_linear_grouped, ggml_linear_multi
 
 
 def linear_grouped(groups: list[list[nn.Module]], x: torch.Tensor, counts: list[int]) -> list[list[torch.Tensor]]:
@@ -85,18 +36,6 @@ def linear_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     if isinstance(modules[0], GGMLLinear):
         return ggml_linear_multi(modules, x)
     return [m(x) for m in modules]
-
-
-_NATIVE_KV = (torch.float32, torch.float16, torch.uint8)  # cache types the native attention reads (uint8: q8_0)
-
-
-def _fused_ops(x: torch.Tensor, param: torch.Tensor):  # noqa: ANN202 (the compiled module)
-    """The native kernels' fused ops (``rms_norm``, ``rope``) when they apply to ``x``: fp32 CPU
-    tensors outside autograd (inference passes; training takes the differentiable torch path),
-    the kernels built and not disabled. Else None: the torch formulas below."""
-    if x.dtype is not torch.float32 or param.dtype is not torch.float32 or not x.is_cpu or torch.is_grad_enabled():
-        return None
-    return active_kernels()
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
@@ -123,7 +62,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _fused_ops(x, self.weight)
+        ops = fused_ops(x, self.weight)
         if ops is not None:  # one call instead of six (decode-step overhead)
             return ops.rms_norm(x.contiguous(), self.weight, self.eps)
         # Computed in fp32 and cast back, as Hugging Face does, so bf16 runs stay close to fp32.
@@ -253,7 +192,7 @@ class Rope(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [heads, T, D]; positions [T]
-        ops = _fused_ops(x, self.cos)
+        ops = fused_ops(x, self.cos)
         if ops is not None and x.stride(-1) == 1:  # one call instead of eight per tensor
             return ops.rope(x, self.cos, self.sin, positions)
         cos = self.cos[positions].to(x.dtype)  # [T, D]
@@ -263,118 +202,15 @@ class Rope(nn.Module):
         return x * cos + rotated * sin
 
 
-@dataclass(frozen=True)
-class RowSlots:
-    """What each row of a pass sees, given explicitly instead of by a mask: a pass over rows of
-    several sequences (:class:`~quickdraft.cache.KVPool`). ``slots[i]`` [n_i]: the cache slots row i
-    attends to, in position order (its sequence's committed slots, then its own rows of this pass
-    that it may see); ``slot_pos`` [start + T]: the position each slot holds. A row's result is
-    bitwise what the same row computes alone over its sequence's own cache (same keys, same order).
-    ``lanes`` [T]: each row's sequence cache, whose recurrent state (linear-attention layers,
-    :class:`~quickdraft.cache.HybridCache`) a row with no earlier row of its own in the pass continues."""
-
-    slots: list[torch.Tensor]
-    slot_pos: torch.Tensor
-    lanes: list[KVCache] | None = None
-
-
-@dataclass
-class Step:
-    """What every layer of one forward pass shares: where to write and what each query sees."""
-
-    positions: torch.Tensor  # [T] long, RoPE positions
-    start: int  # first cache slot written by this pass
-    mask: torch.Tensor | None  # [T, start + T] bool (True = may attend), None = every slot up to the end
-    cache: KVCache
-    tree: bool = False  # mask is not causal: short passes gather each row's visible slots
-    row_slots: list[torch.Tensor] | None = None  # tree only: [n_i] visible slots of row i, in position order
-    # The position each slot up to the pass's end holds, where slots are not positions (a pass over
-    # rows of several sequences, :class:`~quickdraft.cache.KVPool`); None: committed slot j holds
-    # position j and the pass's slots ``positions``.
-    slot_pos: torch.Tensor | None = None
-    # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
-    # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
-    slots: torch.Tensor | None = None
-    lanes: list[KVCache] | None = None  # a pass over several sequences: each row's own cache (RowSlots.lanes)
-    # What every layer takes besides the hidden state, computed once per pass by
-    # :meth:`CausalLM.layer_inputs` (Gemma 4's per-layer embeddings [T, layers, P]); None for most models.
-    layer_inputs: torch.Tensor | None = None
-    # The rows whose results the pass returns (None: every row): the only rows a caller can continue
-    # or roll back to, so the only ones whose recurrent state a hybrid model's cache must keep.
-    outputs: list[int] | None = None
-    _parents: list[int] | None = field(default=None, repr=False)
-    _windows: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = field(
-        default_factory=dict, repr=False
-    )
-    _flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.tree and self.mask is not None and self.mask.shape[0] <= BLOCKED_MAX_ROWS:
-            self.row_slots = [row.nonzero().squeeze(1) for row in self.mask]  # once per pass, not per layer
-
-    def row_parents(self) -> list[int]:
-        """For each row, the row of this pass just before it on its path (-1: none; it continues its
-        sequence's state before the pass): what a recurrent layer's state follows. Once per pass."""
-        if self._parents is None:
-            if self.slots is not None:
-                raise ValueError("recurrent layers do not run in static-shape passes")
-            if self.row_slots is None:  # a chain
-                self._parents = list(range(-1, self.positions.shape[0] - 1))
-            else:  # this pass's rows a row sees are its ancestors, then itself (slot order)
-                own = [idx[idx >= self.start] for idx in self.row_slots]
-                self._parents = [int(o[-2]) - self.start if o.numel() > 1 else -1 for o in own]
-        return self._parents
-
-    def state_cache(self, row: int) -> KVCache:
-        """The cache whose recurrent state row ``row`` continues when it has no parent in the pass."""
-        return self.lanes[row] if self.lanes is not None else self.cache
-
-    def slot_positions(self) -> torch.Tensor:
-        """Position of every cache slot this pass can see [start + T] (sliding windows and
-        chunked attention cut by position)."""
-        if self.slot_pos is not None:
-            return self.slot_pos
-        before = torch.arange(self.start, device=self.positions.device, dtype=self.positions.dtype)
-        return torch.cat([before, self.positions])
-
-    def flat_slots(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Tree rows' visible slots as one flat tensor and row offsets [T + 1] (the native
-        attention's input), for a window size or None; (None, None) for chains. Once per pass."""
-        if self.row_slots is None:
-            return None, None
-        key = -1 if window is None else window
-        if key not in self._flat:
-            rows = self.row_slots if window is None else self.windowed(window)[1]
-            assert rows is not None
-            lens = torch.tensor([0] + [int(r.numel()) for r in rows])
-            self._flat[key] = (torch.cat(rows).to(torch.int64), lens.cumsum(0))
-        return self._flat[key]
-
-    def windowed(self, size: int) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
-        """``(mask, row_slots)`` for sliding-window layers: each row additionally drops every slot
-        whose position is ``size`` or more behind its own (it sees positions ``p-size+1 .. p``, as
-        Hugging Face's ``kv > q - size``). Committed slots hold their own position; this pass's
-        slots hold ``positions`` (tree depths included). Computed once per pass and size."""
-        if size not in self._windows:
-            slot_pos = self.slot_positions()
-            mask = None  # rows given by slot lists alone (a pass over several sequences) need none
-            if self.mask is not None or self.row_slots is None:
-                near = slot_pos.unsqueeze(0) > self.positions.unsqueeze(1) - size  # [T, start + T]
-                mask = near if self.mask is None else self.mask & near
-            rows = None
-            if self.row_slots is not None:
-                rows = [idx[slot_pos[idx] > p - size] for idx, p in zip(self.row_slots, self.positions.tolist(), strict=True)]
-            self._windows[size] = (mask, rows)
-        return self._windows[size]
-
-
 class Attention(nn.Module):
     """Self-attention over the static cache. ``window``: sliding-window attention (a row sees only
     the last ``window`` positions, itself included); None = every earlier position. ``native``:
     decode and verify rows may take the native kernels' fused attention (a variant they do not
-    compute, e.g. GPT-OSS's sinks, sets it False)."""
+    compute, e.g. GPT-OSS's sinks, sets it False). How a pass attends (native, row by row, one
+    call, static slots) is its backend's business (:mod:`~quickdraft.models.forward_pass`)."""
 
     native = True
+    chunk: int | None = None  # chunked attention (Llama 4): a row sees the earlier positions of its chunk
 
     def __init__(self, cfg: ModelConfig, rope: Rope, window: int | None = None) -> None:
         super().__init__()
@@ -409,10 +245,17 @@ class Attention(nn.Module):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int, step: Step
     ) -> torch.Tensor:
-        """q/k norms, RoPE, this pass's keys and values into cache layer ``layer``, and attention:
-        ``[T, Hq * D]``, what o_proj takes. ``k = v = None``: a layer that reuses another layer's
-        keys and values (:class:`~quickdraft.cache.KVLayout`), already in the cache for this pass."""
-        t = q.shape[1]
+        """Positions encoded, this pass's keys and values into cache layer ``layer``, and attention
+        by the pass's backend: ``[T, Hq * D]``, what o_proj takes. ``k = v = None``: a layer that
+        reuses another layer's keys and values (:class:`~quickdraft.cache.KVLayout`), already in
+        the cache for this pass."""
+        q, k = self.encode_positions(q, k, step)
+        return step.backend(q).attend(self, q, k, v, layer, step)
+
+    def encode_positions(
+        self, q: torch.Tensor, k: torch.Tensor | None, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q/k norms and RoPE (a family with another position encoding overrides this)."""
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = self.rope(q, step.positions)
@@ -420,58 +263,16 @@ class Attention(nn.Module):
             if self.k_norm is not None:
                 k = self.k_norm(k)
             k = self.rope(k, step.positions)
-        cache = step.cache
-        if step.slots is not None:  # static shapes: write by slot tensor, attend over L slots
-            kc, vc = cache.k_layers[layer], cache.v_layers[layer]
-            if k is not None and v is not None:
-                kc.index_copy_(1, step.slots, k.to(kc.dtype))
-                vc.index_copy_(1, step.slots, v.to(vc.dtype))
-            assert step.mask is not None
-            n = step.mask.shape[1]
-            out = self._attend(q, kc[:, :n].to(q.dtype), vc[:, :n].to(q.dtype), step.mask)
-            return out.transpose(0, 1).reshape(t, self.nh * self.hd)
-        short = t <= BLOCKED_MAX_ROWS or (not step.tree and t <= NATIVE_CHAIN_ROWS)
-        if self.native and short and cache.storage_dtype in _NATIVE_KV and (ops := _fused_ops(q, q)) is not None:
-            # decode / verify rows, prefill chains: cache write and attention in one native call
-            slots, offsets = step.flat_slots(self.window)
-            return ops.attend(
-                q, cache.k_layers[layer], cache.v_layers[layer], step.start, self.window or 0, self.scale,
-                slots, offsets, k, v,
-            )  # [T, Hq * D]
-        if k is not None and v is not None:
-            keys, values = cache.write(layer, step.start, k, v)  # [Hkv, S, D]
-        else:
-            keys, values = cache.read(layer, step.start + t)
-        if t > NATIVE_CHAIN_ROWS or (step.tree and t > BLOCKED_MAX_ROWS):  # (the plain way: not batch invariant)
-            mask = step.mask if self.window is None else step.windowed(self.window)[0]
-            out = self._attend(q, keys, values, mask)  # [Hq, T, D]
-        else:  # each row alone (a chain of up to NATIVE_CHAIN_ROWS: a prefill pass, see CausalLM.prefill_rows)
-            rows = [self._attend_row(q, keys, values, step, i) for i in range(t)]
-            out = rows[0] if t == 1 else torch.cat(rows, dim=1)
-        return out.transpose(0, 1).reshape(t, self.nh * self.hd)
+        return q, k
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q ``[Hq, T, D]`` over k, v ``[Hkv, S, D]`` under ``mask`` [T, S] -> ``[Hq, T, D]``."""
         k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache under fp32 activations: widened exactly
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=mask, scale=self.scale, enable_gqa=self.nkv != self.nh,
         )  # [1, Hq, T, D]
         return out[0]
-
-    def _attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, i: int) -> torch.Tensor:
-        """Query row i over exactly the slots it may see, as one decode-shaped call.
-
-        The call is the same one plain decoding makes for that token (same keys, same length),
-        so its result is bitwise the same whatever other rows share the pass (batch invariance).
-        """
-        if step.row_slots is None:  # chain: row i sees every slot up to its own (the last `window`)
-            end = step.start + i + 1
-            lo = 0 if self.window is None else max(0, end - self.window)
-            return self._attend(q[:, i : i + 1], k[:, lo:end], v[:, lo:end], None)
-        rows = step.row_slots if self.window is None else step.windowed(self.window)[1]
-        assert rows is not None
-        idx = rows[i]  # tree: prefix + ancestors + self, in slot order
-        return self._attend(q[:, i : i + 1], k.index_select(1, idx), v.index_select(1, idx), None)
 
 
 class MLP(nn.Module):
@@ -509,12 +310,3 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), layer, step)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor | None:
-    """``[T, start + T]`` mask where query i sees slots ``<= start + i``; None when T == 1."""
-    if t == 1:
-        return None
-    cols = torch.arange(start + t, device=device)
-    rows = torch.arange(start, start + t, device=device)
-    return cols.unsqueeze(0) <= rows.unsqueeze(1)

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from quickdraft.config import ConfigUpdate, Family, FamilyFields, ModelConfig, hf_num_experts
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, Attention, Linear, Rope, Step
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, Linear
+from quickdraft.models.forward_pass import Step
+from quickdraft.models.layers import Attention, Rope
 from quickdraft.models.moe import MoECausalLM
 
 
@@ -124,6 +126,11 @@ def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: 
 
 
 class Llama4Attention(Attention):
+    """Chunked attention (``chunk``), interleaved-pair RoPE, q/k L2 norms and NoPE layers' query
+    temperature; the native kernels compute none of these (``native`` False)."""
+
+    native = False
+
     def __init__(self, cfg: ModelConfig, rope: Rope, layer: int) -> None:
         super().__init__(cfg, rope)
         if cfg.attention_bias:
@@ -131,16 +138,17 @@ class Llama4Attention(Attention):
         own = cfg.family_fields(Llama4Fields)
         self.use_rope = bool(own.no_rope_layers[layer]) if own.no_rope_layers else True
         chunked = cfg.layer_types[layer] == "chunked_attention" if cfg.layer_types else self.use_rope
-        self.chunk = own.attention_chunk_size if chunked else None
+        self.chunk = own.attention_chunk_size if chunked else None  # (the backends cut rows' slots by it)
         self.l2_eps = cfg.rms_norm_eps if own.qk_l2_norm and self.use_rope else None
         self.temperature = own.attn_temperature_tuning and not self.use_rope
         self.floor_scale, self.attn_scale = own.floor_scale, own.attn_scale
 
-    def forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.nh, self.hd).transpose(0, 1)  # [Hq, T, D]
-        k = self.k_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)  # [Hkv, T, D]
-        v = self.v_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)
+    def encode_positions(
+        self, q: torch.Tensor, k: torch.Tensor | None, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RoPE on interleaved pairs (RoPE layers), L2 norms of q and k, and (NoPE layers) the
+        temperature scaling of q by position."""
+        assert k is not None  # (no layer reuses another's keys)
         if self.use_rope:
             half = self.hd // 2  # the Rope tables hold [freqs, freqs]: the first half is each pair's angle
             cos, sin = self.rope.cos[step.positions, :half], self.rope.sin[step.positions, :half]
@@ -150,44 +158,7 @@ class Llama4Attention(Attention):
         if self.temperature:
             scales = temperature_scales(step.positions, self.floor_scale, self.attn_scale)
             q = (q * scales.unsqueeze(-1)).to(q.dtype)
-        keys, values = step.cache.write(layer, step.start, k, v)  # [Hkv, S, D]
-        if self.chunk is None:
-            if t > BLOCKED_MAX_ROWS:
-                out = self._attend(q, keys, values, step.mask)
-            else:
-                out = torch.cat([self._attend_row(q, keys, values, step, i) for i in range(t)], dim=1)
-        elif t > BLOCKED_MAX_ROWS:
-            out = self._attend(q, keys, values, self._chunk_mask(step, self.chunk))
-        else:
-            pos = step.positions.tolist()
-            slots = None if step.row_slots is None else step.slot_positions()
-            out = torch.cat(
-                [self._attend_chunk_row(q, keys, values, step, i, pos[i], slots) for i in range(t)], dim=1
-            )
-        return self.o_proj(out.transpose(0, 1).reshape(t, self.nh * self.hd))
-
-    @staticmethod
-    def _chunk_mask(step: Step, chunk: int) -> torch.Tensor:
-        """The pass's mask [T, start + T] restricted to each query's chunk."""
-        same = (step.slot_positions().unsqueeze(0) // chunk) == (step.positions.unsqueeze(1) // chunk)
-        return same if step.mask is None else same & step.mask
-
-    def _attend_chunk_row(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, i: int, pos: int,
-        slot_pos: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Row i (at position ``pos``) over the slots it may see inside its chunk, as one
-        decode-shaped call: the same keys in the same order as plain decoding of that token, so
-        batch invariant. ``slot_pos``: :meth:`Step.slot_positions` for tree passes."""
-        chunk = self.chunk
-        assert chunk is not None
-        if step.row_slots is None or slot_pos is None:  # chain: slots and positions advance together
-            end = step.start + i + 1
-            lo = max(0, end - 1 - pos % chunk)
-            return self._attend(q[:, i : i + 1], k[:, lo:end], v[:, lo:end], None)
-        idx = step.row_slots[i]
-        idx = idx[slot_pos[idx] // chunk == pos // chunk]
-        return self._attend(q[:, i : i + 1], k.index_select(1, idx), v.index_select(1, idx), None)
+        return q, k
 
 
 class CausalLM(MoECausalLM):

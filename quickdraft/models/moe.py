@@ -42,8 +42,9 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import MLP, Linear, linear_grouped
+from quickdraft.models.layers import MLP, linear_grouped
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
 ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)

@@ -24,7 +24,9 @@ from torch import nn
 from quickdraft.config import ConfigUpdate, Family, GGUFMetadata, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
-from quickdraft.models.layers import Attention, Linear, RMSNorm, Rope, Step, embedding
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import Step
+from quickdraft.models.layers import Attention, RMSNorm, Rope, embedding
 
 
 class PartialRope(Rope):

@@ -13,8 +13,9 @@ of Gated DeltaNet linear attention and gated full attention, as transformers' ``
   o_proj), q/k RMSNorm per head, RoPE on the first ``partial_rotary_factor`` of each head;
 * RMSNorms outside the linear-attention block multiply by ``1 + weight`` (Gemma's form).
 
-The recurrent state lives in a :class:`~quickdraft.cache.HybridCache` (keys and values only for the
-full-attention layers). Each row of a pass continues its parent's state (:meth:`Step.row_parents`:
+The recurrent state lives in a :class:`~quickdraft.cache.RecurrentState`, which a
+:class:`~quickdraft.cache.HybridCache` composes beside the full-attention layers' keys and
+values. Each row of a pass continues its parent's state (:meth:`Step.row_parents`:
 the row before it on a chain, its tree parent, or the state before the pass), computed one row at
 a time in the same operations whatever the pass holds, so a token's result is bitwise the same
 in a prefill chunk, a verification chain, a tree or a pass over several sequences.
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.cache import HybridCache, RecurrentShape, State
+from quickdraft.cache import HybridCache, KVCache, RecurrentShape, RecurrentState, State
 from quickdraft.config import (
     ConfigUpdate,
     Family,
@@ -44,8 +45,10 @@ from quickdraft.config import (
 )
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import causal_lm
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import GemmaRMSNorm
-from quickdraft.models.layers import MLP, Attention, Linear, Rope, Step, embedding, linear_group
+from quickdraft.models.layers import MLP, Attention, Rope, embedding, linear_group
 from quickdraft.models.moe import (
     GGUF_MOE_TENSOR_NAMES,
     SparseMoE,
@@ -271,17 +274,18 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         mixed, z, b, a = linear_group([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
+        recurrent = step.cache.recurrent
+        if recurrent is None:
+            raise ValueError("a hybrid model runs on caches from its own make_cache()")
         parents = step.row_parents()
 
         def before(i: int) -> State:  # the state a row without a parent in the pass continues
-            cache = step.state_cache(i)
-            assert isinstance(cache, HybridCache), "a hybrid model runs on its own make_cache()"
-            return cache.state(self.index)
+            lane = step.state_cache(i).recurrent
+            assert lane is not None, "a hybrid model runs on its own make_cache()"
+            return lane.state(self.index)
 
         starts = [before(i) for i, p in enumerate(parents) if p < 0]
-        cache = step.cache
-        assert isinstance(cache, HybridCache)
-        keep = cache.kept_rows()
+        keep = recurrent.kept_rows()
         mod = active_kernels()
         if mod is not None and mixed.dtype == torch.float32 and not mixed.is_cuda and not torch.is_grad_enabled() \
                 and all(s.dtype == torch.float32 for start in starts for s in start):
@@ -295,7 +299,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, every = self._rows(mixed, z, b, a, parents, starts)
             states = [s if kept else None for s, kept in zip(every, keep, strict=True)]
-        cache.record(self.index, states)
+        recurrent.record(self.index, states)
         return self.out_proj(out)
 
     def _rows(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, parents: list[int],
@@ -428,15 +432,9 @@ class CausalLM(causal_lm.CausalLM):
     def make_cache(self, max_len: int) -> HybridCache:
         cfg = self.config
         attention_layers = cfg.num_hidden_layers - sum(_linear_layers(cfg))
-        return HybridCache(attention_layers, cfg.num_key_value_heads, cfg.head_dim, max_len,
-                           self.kv_dtype or self.dtype, self.device, self.recurrent_shape(), self.dtype)
-
-    def _layers(self, x: torch.Tensor, step: Step, capture: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = step.cache
-        if not isinstance(cache, HybridCache):
-            raise ValueError("a hybrid model runs on caches from its own make_cache()")
-        cache.begin_rows(step.row_parents(), step.outputs)
-        return super()._layers(x, step, capture)
+        attention = KVCache(attention_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, self.kv_dtype or self.dtype,
+                            self.device)
+        return HybridCache(attention, RecurrentState(self.recurrent_shape(), self.dtype, self.device))
 
     def convert_checkpoint(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A vision-language checkpoint's text model: ``model.language_model.`` names, no vision

@@ -34,8 +34,8 @@ from torch import nn
 
 from quickdraft.cache import KVCache
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import Linear
 
 OP_FORWARD, OP_COMPACT, OP_NEW_CACHE, OP_FREE_CACHE, OP_STOP = 1, 2, 3, 4, 5
 _HEADER = 8  # int64 fields per control message

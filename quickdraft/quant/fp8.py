@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, ROW_BLOCK, blocked_linear
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, blocked_linear, in_row_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -261,7 +261,7 @@ class FP8Linear(nn.Module):
     compressed-tensors does).
 
     The default path dequantizes ``W`` (in row chunks of at most 16M weights, in fp32, then the
-    activation dtype) and multiplies with :func:`~quickdraft.models.layers.blocked_linear`, the
+    activation dtype) and multiplies with :func:`~quickdraft.models.batch_invariance.blocked_linear`, the
     batch-invariant matmul of quickdraft's ``Linear``: a row's output is bitwise the same whatever
     rows come with it, so speculative verification reproduces plain decoding. Nothing is cached
     (the weight stays 1 byte per parameter); :meth:`cache_dequantized` trades memory for speed.
@@ -416,7 +416,7 @@ class FP8Linear(nn.Module):
     def _forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token activation scales times per-channel (or per-tensor) weight scales.
 
-        Short passes go in fixed blocks of ROW_BLOCK rows, like ``blocked_linear``, so each row
+        Short passes go in fixed blocks of rows (``in_row_blocks``), like ``blocked_linear``, so each row
         always meets the same kernel (batch invariance); long prefills in one call.
         """
         scale_b = self.weight_scale.reshape(1, -1).expand(1, self.out_features).contiguous()
@@ -429,12 +429,7 @@ class FP8Linear(nn.Module):
 
         t = x.shape[0]
         try:
-            if t > BLOCKED_MAX_ROWS:
-                y = mm(x)
-            else:
-                pad = (-t) % ROW_BLOCK
-                xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
-                y = torch.cat([mm(xp[i : i + ROW_BLOCK]) for i in range(0, t + pad, ROW_BLOCK)])[:t]
+            y = mm(x) if t > BLOCKED_MAX_ROWS else in_row_blocks(x, mm)
         except RuntimeError as exc:  # a GPU / torch build without this _scaled_mm variant
             warnings.warn(f"FP8 matmul unavailable ({exc}); dequantizing FP8 weights instead", stacklevel=2)
             self._scaled_mm_failed = True

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import KVPool, SequenceCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.tree import DraftTree
 from quickdraft.speculative.verify import Draft
@@ -213,7 +213,7 @@ class Drafter:
         """Rows [n, len(capture_layers) * H] of the target's features for tokens whose KV was kept."""
         raise NotImplementedError(f"drafter {self.name!r} reads no target features")
 
-    def use_target_cache(self, cache: KVCache) -> None:
+    def use_target_cache(self, cache: SequenceCache) -> None:
         """The target's KV cache the drafter's sequence is computed in (its lane of the engine's
         pool), named by the engine when a request starts, before ``prefill``. At each ``propose``
         it holds the keys and values of every committed token but the newest. Drafters that attend

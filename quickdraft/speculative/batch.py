@@ -6,7 +6,7 @@ time and gets the pass's output back. :func:`propose_together` advances every se
 lockstep, and the passes asked for in one round on lanes of the same KV pool (drafters forked
 together, :meth:`~quickdraft.speculative.base.Drafter.forks`) run as ONE pass of that model: k draft
 tokens for four sequences cost k passes of 4+ rows instead of 4k passes of one row. Every row sees
-its own lane's slots in the same order as alone (:class:`~quickdraft.models.layers.RowSlots`), so
+its own lane's slots in the same order as alone (:class:`~quickdraft.models.forward_pass.RowSlots`), so
 each sequence's logits, and so its proposal, are bitwise what it proposes alone. Each kind of pass
 (a draft model's, :class:`~quickdraft.speculative.draft_model.ModelPass`; an EAGLE-3 head's,
 :class:`~quickdraft.speculative.eagle3.drafter.HeadPass`) says how its asks run together.

@@ -41,10 +41,11 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from quickdraft.cache import CacheSnapshot, KVCache, KVPool
+from quickdraft.cache import CacheSnapshot, KVPool, SequenceCache
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots
+from quickdraft.models.forward_pass import RowSlots
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -93,7 +94,7 @@ class ModelPass(DraftPass):
     the position each slot of the cache holds (they lag the slots after a capped catch-up)."""
 
     model: CausalLM
-    cache: KVCache
+    cache: SequenceCache
     ids: Tensor
     positions: Tensor | None
     slot_positions: Sequence[int]

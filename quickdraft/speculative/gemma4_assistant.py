@@ -54,13 +54,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quickdraft.cache import KVCache, KVPool
+from quickdraft.cache import KVCache, KVPool, SequenceCache
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.models.gemma3 import GemmaMLP, is_sliding
 from quickdraft.models.gemma4 import Gemma4Attention, Gemma4Fields, RMSNorm, layer_config
-from quickdraft.models.layers import Linear, Rope, Step
+from quickdraft.models.layers import Rope
 from quickdraft.quant.ggml import GGMLLinear, kernels_active
 from quickdraft.speculative.base import DraftPass, PassOutput, Steps
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter, TreeShape, default_shape
@@ -291,7 +293,7 @@ class Gemma4Assistant(DraftHead):
                     replaced += 1
         return replaced
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
+    def new_cache(self, max_len: int | None = None) -> SequenceCache:
         """No keys or values of its own: a cache without layers, counting the rows the drafter ran."""
         return KVCache(0, 1, 1, max_len or self.max_len, self.dtype, self.device)
 
@@ -311,7 +313,7 @@ class Gemma4Assistant(DraftHead):
 
     @torch.inference_mode()
     def run_rows(self, embeds: Tensor, features: Tensor,
-                 groups: Sequence[tuple[int, KVCache, int]]) -> tuple[Tensor, Tensor]:
+                 groups: Sequence[tuple[int, SequenceCache, int]]) -> tuple[Tensor, Tensor]:
         """Rows ``embeds`` [T, Hb] (the tokens' target embeddings) and ``features`` [T, Hb] (the
         target's normed hidden state or a parent row's state), in groups ``(rows, cache, context)``:
         each group's rows sit at position ``context`` and attend to slots ``0..context-1`` of the
@@ -321,22 +323,23 @@ class Gemma4Assistant(DraftHead):
         logits, state = self.output(self.model(x, steps))
         return logits.float(), state
 
-    def check_cache(self, cache: KVCache) -> None:
+    def check_cache(self, cache: SequenceCache) -> None:
         """A one-line QuickdraftError where ``cache`` lacks the keys and values the layers read."""
         for layer in self.model.stack:
             attn = layer.self_attn
-            have = cache.k_layers[layer.source].shape[0] if len(cache.k_layers) > layer.source else 0
+            kv = cache.attention
+            have = kv.k_layers[layer.source].shape[0] if len(kv.k_layers) > layer.source else 0
             if have != attn.nkv:
                 raise QuickdraftError(f"the Gemma 4 assistant reads {attn.nkv} key/value heads of the target's layer "
                                       f"{layer.source}, its cache holds {have} (under --tensor-parallel each rank "
                                       "holds a part): run it without --tensor-parallel")
 
-    def _step(self, cache: KVCache, context: int, rows: int) -> Step:
+    def _step(self, cache: SequenceCache, context: int, rows: int) -> Step:
         """Rows at position ``context`` that each see the target's slots ``0..context-1`` (a
         sliding layer's window then keeps the last of them)."""
         seen = torch.arange(context, device=self.device)
         positions = torch.full((rows,), context, dtype=torch.long, device=self.device)
-        return Step(positions=positions, start=context, mask=None, cache=cache, tree=True, row_slots=[seen] * rows)
+        return Step.of_pass(cache, context, positions, rows=RowSlots([seen] * rows))
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -423,7 +426,7 @@ class AssistantPass(DraftPass):
     its own cache), each row's output what it is alone."""
 
     head: Gemma4Assistant
-    target_cache: KVCache
+    target_cache: SequenceCache
     context: int
     embeds: Tensor
     features: Tensor
@@ -454,9 +457,9 @@ class AssistantDrafter(Eagle3Drafter):
 
     name = "assistant"
     head: Gemma4Assistant
-    _target_cache: KVCache | None = None
+    _target_cache: SequenceCache | None = None
 
-    def use_target_cache(self, cache: KVCache) -> None:
+    def use_target_cache(self, cache: SequenceCache) -> None:
         self.head.check_cache(cache)
         self._target_cache = cache
 

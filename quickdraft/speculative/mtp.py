@@ -27,13 +27,14 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.layers import Attention, Linear
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.layers import Attention
 from quickdraft.speculative.eagle3.drafter import Eagle3Drafter
 from quickdraft.speculative.eagle3.head import DraftHead, Eagle3Config
 
 if TYPE_CHECKING:
     from quickdraft.models.causal_lm import CausalLM
-    from quickdraft.models.layers import Step
+    from quickdraft.models.forward_pass import Step
 
 
 class MTPHead(DraftHead):

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import SequenceCache
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import ALONE, Drafter, PassLoad, Steps, capture_layers_of
@@ -233,7 +233,7 @@ class AutoDrafter(Drafter):
             cols = [hidden[:, b * width : (b + 1) * width] for b in blocks]
             c.drafter.feed(torch.cat(cols, dim=-1))
 
-    def use_target_cache(self, cache: KVCache) -> None:
+    def use_target_cache(self, cache: SequenceCache) -> None:
         for c in self.candidates:
             c.drafter.use_target_cache(cache)
 

@@ -55,10 +55,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.cache import CacheSnapshot, KVCache, KVPool
+from quickdraft.cache import CacheSnapshot, KVPool, SequenceCache
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, prefill_chunks
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.layers import BLOCKED_MAX_ROWS, RowSlots, prefill_chunks
+from quickdraft.models.forward_pass import RowSlots
 from quickdraft.sampling import (
     SamplingParams,
     probs_from_logits,
@@ -119,7 +120,7 @@ class HeadPass(DraftPass):
     draft). Gives back the logits of the last ``num_logits`` rows (all if None) and every row's h."""
 
     head: DraftHead
-    cache: KVCache
+    cache: SequenceCache
     embeds: Tensor
     features: Tensor
     positions: Tensor | None = None

@@ -47,19 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.cache import KVCache
+from quickdraft.cache import KVCache, SequenceCache
 from quickdraft.config import ModelConfig, rope_scaling_of, rope_theta_of
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.layers import (
-    MLP,
-    Attention,
-    Linear,
-    RMSNorm,
-    Rope,
-    RowSlots,
-    Step,
-    causal_mask,
-)
+from quickdraft.models.batch_invariance import Linear
+from quickdraft.models.forward_pass import RowSlots, Step
+from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope
 
 
 @dataclass(frozen=True)
@@ -306,7 +299,7 @@ class DraftHead(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
+    def new_cache(self, max_len: int | None = None) -> SequenceCache:
         cfg = self.config
         return KVCache(1, cfg.num_key_value_heads, cfg.head_dim, max_len or self.max_len, self.dtype, self.device)
 
@@ -321,7 +314,7 @@ class DraftHead(nn.Module):
         self,
         embeds: Tensor,
         features: Tensor,
-        cache: KVCache,
+        cache: SequenceCache,
         positions: Tensor | None = None,
         mask: Tensor | None = None,
         num_logits: int | None = None,
@@ -341,14 +334,11 @@ class DraftHead(nn.Module):
         start, end = cache.reserve(t)
         if positions is None:
             positions = torch.arange(start, end, device=embeds.device)
-        tree = mask is not None
         window = self.config.sliding_window
         attn = self.attention
         if committed is not None and window is not None:
-            mask, tree, attn.window = self.visible(start, t, mask, committed), True, None
-        elif mask is None:
-            mask = causal_mask(start, t, embeds.device)
-        step = Step(positions=positions, start=start, mask=mask, cache=cache, tree=tree)
+            mask, attn.window = self.visible(start, t, mask, committed), None
+        step = Step.of_pass(cache, start, positions, mask)
         try:
             h = self.layer_rows(embeds.to(self.dtype), features.to(self.dtype), step)
         finally:
@@ -376,7 +366,7 @@ class DraftHead(nn.Module):
         return seen & (slot >= committed - window)  # drafted slots lie above the committed ones
 
     @torch.inference_mode()
-    def forward_rows(self, embeds: Tensor, features: Tensor, buffer: KVCache, positions: Tensor, rows: RowSlots,
+    def forward_rows(self, embeds: Tensor, features: Tensor, buffer: SequenceCache, positions: Tensor, rows: RowSlots,
                      logit_rows: Tensor) -> tuple[Tensor, Tensor]:
         """A pass over rows of several sequences (lanes of a :class:`~quickdraft.cache.KVPool`),
         each row seeing exactly the slots ``rows`` lists (its window already applied): keys and
@@ -384,8 +374,7 @@ class DraftHead(nn.Module):
         of ``logit_rows``, state [T, H]); every row bitwise what :meth:`forward` computes for it alone."""
         t = embeds.shape[0]
         start, _ = buffer.reserve(t)
-        step = Step(positions=positions, start=start, mask=None, cache=buffer, tree=True, row_slots=rows.slots,
-                    slot_pos=rows.slot_pos)
+        step = Step.of_pass(buffer, start, positions, rows=rows)
         attn = self.attention
         window, attn.window = attn.window, None
         try:
