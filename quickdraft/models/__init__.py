@@ -11,7 +11,7 @@ from torch import nn
 from quickdraft.config import ModelConfig, family_module, model_types
 from quickdraft.errors import QuickdraftError
 
-SHARED_MODULES = ("causal_lm", "graphs", "layers", "moe", "native")  # every other module here is a family
+SHARED_MODULES = ("batch_invariance", "causal_lm", "forward_pass", "graphs", "layers", "moe", "native")  # every other module here is a family
 
 
 def build_model(cfg: ModelConfig, max_len: int) -> nn.Module:
