@@ -149,6 +149,12 @@ class SequenceCache(Protocol):
     def rollback_point(self, m: int) -> int:
         """The longest prefix of at most ``m`` tokens that :meth:`truncate` (or a snapshot) can keep."""
 
+    def hold_from(self, n: int) -> None:
+        """Keep every length from ``n`` on that passes end at truncatable, until the next
+        :meth:`truncate` (or compact, restore, reset): a caller that runs passes one after another
+        and then rolls back among them (a draft model's proposals) holds them first. Keys and
+        values are held anyway; a recurrent state otherwise keeps only the last pass's rows."""
+
     def truncate(self, n: int) -> None:
         r"""Keep the first ``n`` tokens. Keys and values: O(1), a pointer move (later slots are dead
         and get overwritten). A recurrent state is held only at :meth:`rollback_point`\ s: elsewhere
@@ -325,6 +331,9 @@ class KVCache:
         this cache) can keep: any, for keys and values alone."""
         return max(0, min(m, self.length))
 
+    def hold_from(self, n: int) -> None:
+        """Nothing to do: keys and values are held at every length."""
+
     def continue_from(self, source: SequenceCache, row: int) -> None:
         """After :meth:`KVPool.keep` appended rows of ``source``'s last pass to this cache, its state
         is that after pass row ``row``: nothing to do where keys and values are all of it."""
@@ -460,6 +469,8 @@ class RecurrentState:
     last pass reached along a chain (or its start), :meth:`keep_path` to a tree path's last row,
     :meth:`continue_from` to a row of a :class:`KVPool` pass. Further back the state is known only
     at the checkpoints (every STATE_EVERY tokens) and at 0: :meth:`rollback_point` says where.
+    A caller that runs passes in turn and rolls back among them :meth:`hold_from` s the lengths
+    first: the state each pass starts from is kept too, until the next truncate.
     States are never changed in place, so rows, checkpoints and snapshots share tensors freely.
     """
 
@@ -478,6 +489,20 @@ class RecurrentState:
         self._kept: list[bool] = []  # ... which of them keep their states ...
         self._rows: list[list[State | None]] = []  # ... and those states, per layer (None: not kept)
         self.checkpoints: dict[int, list[State]] = {}
+        self._release()
+
+    def _release(self) -> None:
+        self._held_from: int | None = None  # hold_from's length (None: no hold) ...
+        self._held: dict[int, list[State]] = {}  # ... and the states held since, by length
+
+    def hold_from(self, n: int) -> None:
+        """Keep the state at ``n`` (where it is held) and at every later base (each next pass's
+        start, a pool lane's continued row) until :meth:`truncate`; raises QuickdraftError where
+        the state at ``n`` is not held."""
+        found, states = self._state_at(n)
+        if not found:
+            raise QuickdraftError(f"cannot hold a recurrent state at {n} tokens: it holds {self.rollback_point(n)}")
+        self._held_from, self._held = n, ({n: states} if states is not None else {})
 
     # -------------------------------------------------------------- a pass
 
@@ -549,6 +574,8 @@ class RecurrentState:
             return True, self._base
         if n in self.checkpoints:
             return True, self.checkpoints[n]
+        if n in self._held:
+            return True, self._held[n]
         return n == 0, None
 
     def _settle(self, n: int, strict: bool = True) -> None:
@@ -569,6 +596,9 @@ class RecurrentState:
         self._base, self._base_len, self._base_known = states, n, known
         self._parents, self._rows, self._chain, self._kept = [], [], 0, []
         self.checkpoints = {c: s for c, s in self.checkpoints.items() if c <= n}
+        self._held = {c: s for c, s in self._held.items() if c <= n}
+        if known and states is not None and self._held_from is not None and n >= self._held_from:
+            self._held[n] = states
         if known and states is not None and n % STATE_EVERY == 0:
             self._checkpoint(n, states)
 
@@ -579,7 +609,7 @@ class RecurrentState:
     def rollback_point(self, m: int) -> int:
         """The longest prefix of at most ``m`` tokens (``m`` at most the cache's length) whose state
         this store holds: 0, a checkpoint, the last pass's start or one of its kept chain rows."""
-        known = [0, *self.checkpoints]
+        known = [0, *self.checkpoints, *self._held]
         if self._parents:
             if self._complete():
                 known += [self._pass_start + j + 1 for j in range(self._chain) if self._kept[j]]
@@ -591,8 +621,9 @@ class RecurrentState:
 
     def truncate(self, n: int) -> None:
         """Make the state after ``n`` tokens current; raises QuickdraftError (changing nothing)
-        where :meth:`rollback_point` ``(n) != n``."""
+        where :meth:`rollback_point` ``(n) != n``; ends a :meth:`hold_from`."""
         self._settle(n)
+        self._release()
 
     def keep_path(self, start: int, path: list[int]) -> None:
         """Continue from the last pass's row ``path[-1]`` (a tree path from the pass's start at
@@ -601,6 +632,7 @@ class RecurrentState:
         if not self._complete() or start != self._pass_start:
             raise QuickdraftError("compact() keeps rows of the last pass; this cache has none from that start")
         states = self.row_states(path[-1]) if path else self._base
+        self._release()
         self._set_base(states, start + len(path), known=self._base_known or bool(path))
 
     def continue_from(self, source: RecurrentState, row: int, n: int) -> None:
@@ -624,6 +656,7 @@ class RecurrentState:
         """Load the state after ``n`` tokens (which ``states`` holds) and the checkpoints before it."""
         device = self.device
         self.checkpoints = {}
+        self._release()
         for c, s in sorted(states.items()):
             if c < n and c % STATE_EVERY == 0:
                 self._checkpoint(c, [(a.to(device), b.to(device)) for a, b in s])
@@ -684,6 +717,9 @@ class HybridCache:
 
     def rollback_point(self, m: int) -> int:
         return self._recurrent.rollback_point(max(0, min(m, self.length)))
+
+    def hold_from(self, n: int) -> None:
+        self._recurrent.hold_from(n)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.length:

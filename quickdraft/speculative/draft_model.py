@@ -315,6 +315,7 @@ class DraftModelDrafter(Drafter):
         if k <= 0:
             return Draft(tokens=_EMPTY)
         self._base = self.cache.length
+        self.cache.hold_from(self._base)  # commit truncates back among the proposal passes' ends
         ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
         tokens: list[Tensor] = []
         qs: list[Tensor] = []
