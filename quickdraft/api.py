@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,12 +46,23 @@ class RequestOutput:
 
 
 def configure_threads(threads: int | None) -> int:
-    """Use one compute thread per physical core (hyper-threads slow matmuls down), set once."""
-    n = threads or psutil.cpu_count(logical=False) or torch.get_num_threads()
+    """Use ``threads`` compute threads, else OMP_NUM_THREADS (as torch itself does: a caller that
+    runs several processes side by side gives each its share), else one per physical core
+    (hyper-threads slow matmuls down); set once."""
+    n = threads or _omp_threads() or psutil.cpu_count(logical=False) or torch.get_num_threads()
     if n < 1:
         raise QuickdraftError(f"--threads must be >= 1, got {n}")
     torch.set_num_threads(n)
     return n
+
+
+def _omp_threads() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise QuickdraftError(f"OMP_NUM_THREADS must be a whole number >= 1, got {value!r} (or unset it)")
+    return int(value)
 
 
 class LLM:

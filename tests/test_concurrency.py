@@ -14,6 +14,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from helpers import (
@@ -485,3 +486,23 @@ def test_requests_drafting_with_forked_draft_models_equal_each_alone(
         alone = [t for s in own.generate(r.prompt, r.params, DraftModelDrafter(model.model, vocab, eager=True), r.k)
                  for t in s.token_ids]
         assert got[i] == alone, f"request {i} ({r.params}) differs from its answer alone"
+
+
+def test_compute_threads_come_from_the_flag_then_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads, else OMP_NUM_THREADS (processes run side by side, as the test suite's two
+    workers on two cores, take their share), else the physical cores; a bad value is one line."""
+    from quickdraft.api import configure_threads
+    from quickdraft.errors import QuickdraftError
+
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert configure_threads(None) == 1 == torch.get_num_threads()
+        assert configure_threads(2) == 2 == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "two")
+        with pytest.raises(QuickdraftError, match="OMP_NUM_THREADS must be a whole number"):
+            configure_threads(None)
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert configure_threads(None) == (psutil.cpu_count(logical=False) or threads)
+    finally:
+        torch.set_num_threads(threads)
