@@ -226,7 +226,8 @@ _SPM_SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
 def _sentencepiece_backend(
     meta: Mapping[str, Any], tokens: list[str], token_types: list[int]
 ) -> _Backend:
-    """SentencePiece BPE ("llama" in GGUF) as transformers' GGUF converter builds it.
+    """SentencePiece BPE ("llama" in GGUF) as transformers' GGUF converter builds it (kept whole,
+    over 60 lines: the three flavours below differ in a few lines each of one build).
 
     The model is a BPE with byte fallback (``<0x..>`` tokens for bytes outside the vocabulary);
     its merges are not in the file and are recovered from the vocabulary (:func:`_spm_merges`).

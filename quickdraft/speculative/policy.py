@@ -321,6 +321,12 @@ class AutoDrafter(Drafter):
                 c.pass_cost.context = self._context if own is None else own
 
     def _choose(self, budget: int) -> Steps[tuple[Candidate | None, Draft | DraftTree]]:
+        """This step's drafter and its draft (None and an empty draft: a plain step): each
+        candidate's best k and pass rate, then the two overrides (a proposal already made that
+        pays beats a draft model's; a due plain step probes the stalest drafter), then the chosen
+        one drafts and what it really cost is learned. Kept whole, over 60 lines, most of them the
+        measurements behind each rule: the rules read in the order they apply, and the overrides
+        use the loop's bests."""
         self._set_context()
         load = self._load
         cost = self.shared_cost if load.sequences else self.cost  # (shared: what a row adds to a pass of many)

@@ -143,7 +143,9 @@ def regenerate_fn(loaded: LoadedModel) -> data_mod.Generate:
 
 
 def run(opts: RunOptions, log: Callable[[str], None] = lambda _m: None, progress: bool = True) -> RunReport:
-    """Run (or resume) every stage and write the head; returns where and what was written."""
+    """Run (or resume) every stage and write the head; returns where and what was written. Kept
+    whole, over 60 lines: its five numbered stages read in order and share the run's paths, the
+    target and the stage timings (saved after each stage)."""
     sources = data_mod.parse_sources(opts.data)  # refuse bad data before loading anything
     if opts.regenerate < 0:
         raise QuickdraftError(f"--regenerate must be >= 0, got {opts.regenerate}")

@@ -442,7 +442,9 @@ def _head_config(
     path: Path,
     override: str | None,
 ) -> tuple[Eagle3Config, HeadInfo]:
-    """The head's config with aux layers resolved to INPUT ids, and how they were resolved."""
+    """The head's config with aux layers resolved to INPUT ids, and how they were resolved.
+    Kept whole, over 60 lines: the checks of each layout (speculators, EAGLE-3, SpecForge) and
+    the resolution of the ids read top-down, each refusal beside the field it is about."""
     num_layers = target.num_hidden_layers
     if config is None:
         return _config_from_shapes(tensors, target, path)
