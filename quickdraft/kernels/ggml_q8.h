@@ -255,22 +255,35 @@ QD_INLINE void iq4_seg(int s, const uint8_t* b, P&& put) {
   put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
 }
 
+// Q8_0. AVX2: signed bytes, |w| . sign(q, w) (maddubs would saturate on w + 128). AVX-512 VNNI:
+// dpbusd adds its u8 x s8 products straight into int32 lanes, so the weights go in as w + 128
+// (w xor 0x80: 0..255) and finish takes 128 * (the activation block's sum of q) off, as for Q4_0's
+// offset: the same exact int32 block sums (|lane| <= 255 * 127 * 32 < 2^24) with one step less
+// per weight vector (xor, not abs and sign), so the results stay bitwise the AVX2 build's.
 struct Q8_0L {  // [d x 8][256 bytes: q, int8]
   static constexpr int64_t BS = 256, TS = 8 * 34, GBS = 32, GTS = 34;
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 127;
+#ifdef QD_VNNI
+  static constexpr int OFF = 128, NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 255 * 127;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = true, ABS_X = false;
+#else
+  static constexpr int OFF = 0, NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * 127;
   static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = false;  // (a file may hold -128)
+#endif
   struct Pre {
     __m256 d;
   };
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16x8(b); }
   static constexpr int acc_of(int v) { return v % 2; }
+  static QD_INLINE __m256i values(const uint8_t* p) {
+    return OFF ? _mm256_xor_si256(load_256(p), _mm256_set1_epi8(static_cast<char>(0x80))) : load_256(p);
+  }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    put(2 * s, load_256(b + 16 + 64 * s));
-    put(2 * s + 1, load_256(b + 16 + 64 * s + 32));
+    put(2 * s, values(b + 16 + 64 * s));
+    put(2 * s + 1, values(b + 16 + 64 * s + 32));
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
-    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, in, acc);
   }
 };
 
