@@ -281,6 +281,12 @@ def test_bad_requests_name_the_field(
 def test_get_unknown_response_and_openapi(server: Server) -> None:
     resp = httpx.get(f"{server.url}/responses/resp_nothing", timeout=30)
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
+    # a bad query parameter: a 400 naming it and what it must be, not the endpoint's source file
+    resp = httpx.get(f"{server.url}/responses/resp_nothing/input_items", params={"limit": "many"}, timeout=30)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["param"] == "limit", resp.text
+    assert error["message"].startswith("query parameter 'limit': ") and "'many'" in error["message"], error
+    assert ".py" not in error["message"] and set(error) == {"message", "type", "param", "code"}
     doc = httpx.get(f"{server.root}/openapi.json", timeout=30).json()
     op = doc["paths"]["/v1/responses"]["post"]
     ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]

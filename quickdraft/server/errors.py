@@ -78,8 +78,22 @@ def as_api_error(request: Request, exc: Exception) -> ApiError:
     if isinstance(exc, StarletteHTTPException):
         return http_error(request, exc)
     if isinstance(exc, RequestValidationError):  # a bad path or query parameter
-        return ApiError(400, str(exc))
+        return parameter_error(exc)
     return internal_error(exc)
+
+
+def parameter_error(exc: RequestValidationError) -> ApiError:
+    """A bad path or query parameter, named with what it must be (str(exc) would add the
+    endpoint's source file and line)."""
+    problems = []
+    for error in exc.errors():
+        where, *names = error.get("loc") or ("request",)
+        name = ".".join(str(n) for n in names) or str(where)
+        got = f" (got {error['input']!r})" if error.get("input") is not None else ""
+        problems.append(f"{where} parameter {name!r}: {error.get('msg', 'invalid')}{got}")
+    first = (exc.errors() or [{}])[0].get("loc") or ()
+    return ApiError(400, "; ".join(problems) or "invalid request parameters",
+                    param=str(first[-1]) if first else None)
 
 
 class ErrorShape(ABC):
