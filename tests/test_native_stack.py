@@ -222,6 +222,27 @@ def test_long_prefill_passes_are_bitwise_short_ones(quantized: LoadedModel) -> N
         assert model.prefill_rows() == BLOCKED_MAX_ROWS
 
 
+def test_a_prefill_pass_of_up_to_native_chain_rows_runs_in_the_stack(
+    quantized: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain longer than BLOCKED_MAX_ROWS (a prompt's prefill pass, up to NATIVE_CHAIN_ROWS rows)
+    runs as one native call, not the Python layers; a longer one, or a tree that long, does not."""
+    model = quantized.model
+    asked: list[tuple[int, bool]] = []
+    native = model._native.get
+
+    def get(layers: object, x: torch.Tensor) -> object:
+        stack = native(layers, x)
+        asked.append((x.shape[0], stack is not None))
+        return stack
+
+    monkeypatch.setattr(model._native, "get", get)
+    ids = torch.tensor([(11 * i + 4) % 250 + 3 for i in range(NATIVE_CHAIN_ROWS)])
+    model(ids, model.new_cache())
+    model(ids[:200], model.new_cache(), mask=torch.ones(200, 200, dtype=torch.bool).tril())  # a 200-row tree
+    assert asked == [(NATIVE_CHAIN_ROWS, True)]
+
+
 @pytest.mark.parametrize("outputs", [1, 2, 3, 4, 16])
 def test_a_float_linear_row_is_the_same_in_any_pass(outputs: int) -> None:
     """Linear's blocked matmul gives a row the same bits alone, in a 64-row pass and in a 250-row

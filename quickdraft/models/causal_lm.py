@@ -161,9 +161,9 @@ class CausalLM(nn.Module):
             step.outputs = logit_rows.tolist()
         x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
-        # (as before this Step was built in one place: only a 1-row chain has no mask, so chains of
-        # 65..NATIVE_CHAIN_ROWS rows run the Python layers, the same bits as the stack, not its speed)
-        chain = not step.tree and step.mask is None
+        # a chain (causal: not a tree, not rows of several sequences) of up to NATIVE_CHAIN_ROWS rows
+        # runs in the native stack too (a prompt's prefill passes of up to 256 rows)
+        chain = not step.tree
         stack = self._native.get(self.model.layers, x) if invariant_pass(t, chain) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
             slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
