@@ -377,10 +377,17 @@ QD_INLINE __m256 e8m0_half8(const uint8_t* p) {
 // The 32-block formats whose nibbles index a table of 16 signed values (|w| <= VMAX), looked up with
 // pshufb: [scale x 8 (SCALE decodes them)][qs' 128 at byte QS] (Q4_0's lanes); sum x w = dx_j * d_j *
 // sum q w. IQ4_NL: fp16 scales, llama.cpp's non-linear values; MXFP4: E8M0 scales, FP4 values.
+// AVX-512 VNNI: the table holds w + 128 (unsigned, for dpbusd) and the finish takes 128 x the
+// activation block's sum off, as Q8_0L does: the same exact int32 sums, one step less per dot.
 template <int64_t QS, int VMAX, __m256 (*SCALE)(const uint8_t*), __m256i (*TABLE)()>
 struct Table32L {
-  static constexpr int NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * VMAX;
+#ifdef QD_VNNI
+  static constexpr int OFF = 128, NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * (128 + VMAX) * 127;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = true, ABS_X = false;
+#else
+  static constexpr int OFF = 0, NSEG = 4, MODE = B32, NACC = 2, PAIR_MAX = 2 * 128 * VMAX;
   static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = true;
+#endif
   struct Pre {
     __m256 d;
   };
@@ -390,12 +397,12 @@ struct Table32L {
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
     __m256i lo, hi;
     nibble_pair(b + QS + 32 * s, lo, hi);
-    const __m256i t = TABLE();
+    const __m256i t = OFF ? _mm256_xor_si256(TABLE(), _mm256_set1_epi8(static_cast<char>(0x80))) : TABLE();
     put(2 * s, _mm256_shuffle_epi8(t, lo));
     put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
-    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, 0, xc, in, acc);
+    finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, in, acc);
   }
 };
 struct IQ4_NLL : Table32L<16, 127, fp16x8, iq4_table> {  // values -127 .. 113
@@ -471,8 +478,13 @@ struct Q5_KL : KMinL<16> {
 // indexing the IQ4_NL values. Scale of 32-group j: ((scales_l >> 4j) & 15 | ((scales_h >> 2j) & 3) << 4) - 32.
 struct IQ4_XSL {
   static constexpr int64_t BS = 256, TS = 136, GBS = 256, GTS = 136;
-  static constexpr int NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 128 * 127;
+#ifdef QD_VNNI  // the values as w + 128 for dpbusd, 128 x each 32-group's activation sum taken off (as Table32L)
+  static constexpr int OFF = 128, NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 255 * 127;
+  static constexpr bool SIGNED = false, LATENCY_SPLIT = true, ABS_X = false;
+#else
+  static constexpr int OFF = 0, NSEG = 4, MODE = KL, NACC = 2, PAIR_MAX = 2 * 128 * 127;
   static constexpr bool SIGNED = true, LATENCY_SPLIT = true, ABS_X = true;  // values -127 .. 113
+#endif
   struct Pre {
     __m256 ds;  // d * (scale_j - 32)
   };
@@ -492,10 +504,23 @@ struct IQ4_XSL {
   static constexpr int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    iq4_seg<8>(s, b, put);
+    if constexpr (OFF) {
+      __m256i lo, hi;
+      nibble_pair(b + 8 + 32 * s, lo, hi);
+      const __m256i t = _mm256_xor_si256(iq4_table(), _mm256_set1_epi8(static_cast<char>(0x80)));
+      put(2 * s, _mm256_shuffle_epi8(t, lo));
+      put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+    } else {
+      iq4_seg<8>(s, b, put);
+    }
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
-    const __m256i is = _mm256_add_epi32(isum[0], isum[1]);
+    __m256i is = _mm256_add_epi32(isum[0], isum[1]);
+    if constexpr (OFF) {  // b6[j] + b6[8 + j] = 32 x (32-group j's sum of q): 128 x that sum is 4 x it
+      const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6));
+      const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xc.b6 + 8));
+      is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_add_epi32(b0, b1), 2));
+    }
     _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(p.ds, _mm256_broadcast_ss(xc.d)),
                                          _mm256_load_ps(in)));
   }
