@@ -245,12 +245,20 @@ QD_INLINE void nibble_seg(int s, const uint8_t* b, P&& put) {
   put(2 * s + 1, hi);
 }
 
-// seg() of the IQ4 formats (values' nibbles at byte OFF of the block): the nibbles index the table.
-template <int64_t OFF, class P>
-QD_INLINE void iq4_seg(int s, const uint8_t* b, P&& put) {
+// Signed bytes as unsigned ones, w + 128 (w xor 0x80), where a format's OFF is 128 (the VNNI build's
+// dpbusd takes them; the finish takes 128 x the activations' sums off): else unchanged.
+template <int OFF>
+QD_INLINE __m256i biased(__m256i w) {
+  static_assert(OFF == 0 || OFF == 128, "a signed byte's offset is 0 or 128");
+  return OFF ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : w;
+}
+
+// seg() of the table formats (values' nibbles at byte AT of the block): the nibbles index table t
+// (IQ4's, MXFP4's; biased<OFF> where the format's values go in unsigned).
+template <int64_t AT, class P>
+QD_INLINE void table_seg(int s, const uint8_t* b, __m256i t, P&& put) {
   __m256i lo, hi;
-  nibble_pair(b + OFF + 32 * s, lo, hi);
-  const __m256i t = iq4_table();
+  nibble_pair(b + AT + 32 * s, lo, hi);
   put(2 * s, _mm256_shuffle_epi8(t, lo));
   put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
 }
@@ -274,13 +282,10 @@ struct Q8_0L {  // [d x 8][256 bytes: q, int8]
   };
   static QD_INLINE void prepare(const uint8_t* b, Pre& p) { p.d = fp16x8(b); }
   static constexpr int acc_of(int v) { return v % 2; }
-  static QD_INLINE __m256i values(const uint8_t* p) {
-    return OFF ? _mm256_xor_si256(load_256(p), _mm256_set1_epi8(static_cast<char>(0x80))) : load_256(p);
-  }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    put(2 * s, values(b + 16 + 64 * s));
-    put(2 * s + 1, values(b + 16 + 64 * s + 32));
+    put(2 * s, biased<OFF>(load_256(b + 16 + 64 * s)));
+    put(2 * s + 1, biased<OFF>(load_256(b + 16 + 64 * s + 32)));
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, in, acc);
@@ -395,11 +400,7 @@ struct Table32L {
   static constexpr int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    __m256i lo, hi;
-    nibble_pair(b + QS + 32 * s, lo, hi);
-    const __m256i t = OFF ? _mm256_xor_si256(TABLE(), _mm256_set1_epi8(static_cast<char>(0x80))) : TABLE();
-    put(2 * s, _mm256_shuffle_epi8(t, lo));
-    put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
+    table_seg<QS>(s, b, biased<OFF>(TABLE()), put);
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     finish32(_mm256_add_epi32(isum[0], isum[1]), p.d, OFF, xc, in, acc);
@@ -504,15 +505,7 @@ struct IQ4_XSL {
   static constexpr int acc_of(int v) { return v % 2; }
   template <class P>
   static QD_INLINE void seg(int s, const uint8_t* b, const Pre&, P&& put) {
-    if constexpr (OFF) {
-      __m256i lo, hi;
-      nibble_pair(b + 8 + 32 * s, lo, hi);
-      const __m256i t = _mm256_xor_si256(iq4_table(), _mm256_set1_epi8(static_cast<char>(0x80)));
-      put(2 * s, _mm256_shuffle_epi8(t, lo));
-      put(2 * s + 1, _mm256_shuffle_epi8(t, hi));
-    } else {
-      iq4_seg<8>(s, b, put);
-    }
+    table_seg<8>(s, b, biased<OFF>(iq4_table()), put);
   }
   static QD_INLINE void finish(const __m256i* isum, const Pre& p, const XChunk& xc, int64_t, const float* in, float* acc) {
     __m256i is = _mm256_add_epi32(isum[0], isum[1]);

@@ -85,13 +85,14 @@ def as_api_error(request: Request, exc: Exception) -> ApiError:
 def parameter_error(exc: RequestValidationError) -> ApiError:
     """A bad path or query parameter, named with what it must be (str(exc) would add the
     endpoint's source file and line)."""
+    errors = exc.errors()
     problems = []
-    for error in exc.errors():
+    for error in errors:
         where, *names = error.get("loc") or ("request",)
         name = ".".join(str(n) for n in names) or str(where)
         got = f" (got {error['input']!r})" if error.get("input") is not None else ""
         problems.append(f"{where} parameter {name!r}: {error.get('msg', 'invalid')}{got}")
-    first = (exc.errors() or [{}])[0].get("loc") or ()
+    first = errors[0].get("loc") if errors else None
     return ApiError(400, "; ".join(problems) or "invalid request parameters",
                     param=str(first[-1]) if first else None)
 
