@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from tiny import hf_to_gguf, make_tiny_hf_model
+from helpers import generate
+from tiny import hf_to_gguf, make_tiny_hf_model, qwen3_5_to_gguf
 
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.native import DenseStack
+from quickdraft.models.qwen3_5 import HybridStack
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
+from quickdraft.speculative.ngram import NGramDrafter
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels_active(), reason="the native kernels are not built on this machine")
@@ -67,7 +71,7 @@ def python_path(model: CausalLM):  # noqa: ANN201 (a context manager)
 
     class _Off:
         def __enter__(self) -> None:
-            model._native.get = lambda layers, x: None  # type: ignore[method-assign]
+            model._native.get = lambda x: None  # type: ignore[method-assign]
 
         def __exit__(self, *exc: object) -> None:
             del model._native.get
@@ -130,7 +134,7 @@ PROMPT = [5, 17, 42, 99, 3, 150, 7, 8, 60, 61, 62, 200]
 def test_chain_rows_bitwise_equal_python(quantized: LoadedModel, rows: int) -> None:
     model = quantized.model
     with torch.inference_mode():  # (as in forward)
-        assert model._native.get(model.model.layers, torch.zeros(1, 1)) is not None  # it applies here
+        assert model._native.get(torch.zeros(1, 1)) is not None  # it applies here
     ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
     native, python = both_paths(model, PROMPT, ids, capture=[0, 1, 2])
     assert_same(native, python)
@@ -158,21 +162,21 @@ def test_stack_steps_aside_where_it_does_not_apply(quantized: LoadedModel, root:
     model = quantized.model
     layers, x = model.model.layers, torch.zeros(1, 1)
     get = torch.inference_mode()(model._native.get)  # as forward calls it
-    stack = get(layers, x)
-    assert stack is not None and stack.num_layers() == len(layers)
-    assert get(layers, x) is stack  # cached while nothing changes
-    assert get(layers, x.double()) is None
-    assert model._native.get(layers, x) is None  # autograd on: the differentiable Python layers
+    stack = get(x)
+    assert isinstance(stack, DenseStack) and stack.native.num_layers() == len(layers)
+    assert get(x) is stack  # cached while nothing changes
+    assert get(x.double()) is None
+    assert model._native.get(x) is None  # autograd on: the differentiable Python layers
     with reference_mode():
-        assert get(layers, x) is None
+        assert get(x) is None
     # f32 activations: the Python layers run (and give what they gave before); back to q8: rebuilt
     ids = [4, 5, 6]
     set_activation_mode(model, "f32")
     try:
-        assert get(layers, x) is None
+        assert get(x) is None
     finally:
         set_activation_mode(model, None)
-    rebuilt = get(layers, x)
+    rebuilt = get(x)
     assert rebuilt is not None and rebuilt is not stack
     assert_same(*both_paths(model, PROMPT, ids))
     # long passes (prefills) run the Python layers, whose output is the same function
@@ -181,9 +185,9 @@ def test_stack_steps_aside_where_it_does_not_apply(quantized: LoadedModel, root:
     model(torch.tensor(long), cache)  # no error, no stack call needed
     # fp32 weights (no GGML blocks) and other layer types: no stack
     fp32 = load_model(str(make_tiny_hf_model(root, "llama", seed=5, name="fp32-native")), dtype="float32").model
-    assert torch.inference_mode()(fp32._native.get)(fp32.model.layers, x) is None
+    assert torch.inference_mode()(fp32._native.get)(x) is None
     gemma = load_model(str(make_tiny_hf_model(root, "gemma3_text", seed=5, name="gemma-native")), dtype="float32").model
-    assert torch.inference_mode()(gemma._native.get)(gemma.model.layers, x) is None
+    assert torch.inference_mode()(gemma._native.get)(x) is None
 
 
 def test_cut_output_vocabulary_of_a_quantized_head(quantized: LoadedModel) -> None:
@@ -231,8 +235,8 @@ def test_a_prefill_pass_of_up_to_native_chain_rows_runs_in_the_stack(
     asked: list[tuple[int, bool]] = []
     native = model._native.get
 
-    def get(layers: object, x: torch.Tensor) -> object:
-        stack = native(layers, x)
+    def get(x: torch.Tensor) -> object:
+        stack = native(x)
         asked.append((x.shape[0], stack is not None))
         return stack
 
@@ -258,3 +262,89 @@ def test_a_float_linear_row_is_the_same_in_any_pass(outputs: int) -> None:
         torch.testing.assert_close(whole, x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
         assert torch.equal(whole[:64], layer(x[:64]))
         assert all(torch.equal(layer(x[i : i + 1])[0], whole[i]) for i in range(0, 250, 7))
+
+
+# ------------------------------------------------------------------- Qwen3.5's hybrid stack
+
+HYBRID_Q8 = {name: "Q8_0" for name in ("attn_qkv.weight", "attn_gate.weight", "ssm_out.weight", "attn_q.weight",
+                                       "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                                       "ffn_up.weight", "ffn_down.weight")}
+
+
+@pytest.fixture(scope="module", params=["float-b-a", "q8-b-a"])
+def hybrid(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+    """Tiny Qwen3.5 (linear, full, linear layers; partial RoPE) as a Q8_0 GGUF, its Gated DeltaNet b / a
+    projections float32 (as llama.cpp's quantizer leaves them) or Q8_0 too."""
+    qtypes = HYBRID_Q8 | ({"ssm_beta.weight": "Q8_0", "ssm_alpha.weight": "Q8_0"} if request.param == "q8-b-a" else {})
+    folder = make_tiny_hf_model(root, "qwen3_5_text", seed=7, name="hybrid-native")
+    path = qwen3_5_to_gguf(folder, root / f"hybrid-{request.param}.gguf", qtypes)
+    return load_model(str(path), dtype="auto", max_context=256)
+
+
+def hybrid_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
+    """(native, python): logits, captured, keys and values, and every layer's recurrent state after each
+    row the pass kept, of one pass over ``ids`` after ``prompt`` (itself run natively)."""
+    out = []
+    for native in (True, False):
+        cache = model.new_cache()
+        model(torch.tensor(prompt), cache)
+        if native:
+            logits, captured = model(torch.tensor(ids), cache, **kw)
+            assert isinstance(model._native._stack, HybridStack)  # the pass ran natively
+        else:
+            with python_path(model):
+                logits, captured = model(torch.tensor(ids), cache, **kw)
+        kept = [i for i, k in enumerate(cache.recurrent.kept_rows()) if k]
+        states = [s for i in kept for pair in cache.recurrent.row_states(i) for s in pair]
+        attention = cache.attention
+        out.append((logits, captured, attention.k[:, :, : attention.length].clone(),
+                     attention.v[:, :, : attention.length].clone(), kept, states))
+    return out
+
+
+def assert_hybrid_same(a, b) -> None:  # noqa: ANN001
+    assert_same(a[:4], b[:4])
+    assert a[4] == b[4] and len(a[5]) == len(b[5]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(a[5], b[5], strict=True))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+def test_hybrid_chain_rows_bitwise_equal_python(hybrid: LoadedModel, rows: int) -> None:
+    """Decode steps, verification chains and a prefill pass past BLOCKED_MAX_ROWS: the native hybrid
+    stack gives the Python layers' logits, captured states, keys / values and recurrent states bitwise."""
+    model = hybrid.model
+    with torch.inference_mode():
+        assert isinstance(model._native.get(torch.zeros(1, 1)), HybridStack)  # it applies here
+    ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
+    native, python = hybrid_paths(model, PROMPT, ids, capture=[0, 3])
+    assert_hybrid_same(native, python)
+    assert len(native[1]) == 2
+
+
+def test_hybrid_tree_rows_bitwise_equal_python(hybrid: LoadedModel) -> None:
+    model = hybrid.model
+    mask, pos = tree_mask(len(PROMPT), [-1, 0, 0, 1, 1, 2, 5])
+    native, python = hybrid_paths(model, PROMPT, [9, 30, 31, 40, 41, 50, 60], mask=mask, positions=pos)
+    assert_hybrid_same(native, python)
+    assert native[4] == list(range(7))  # every row returns its logits: every row keeps its state
+
+
+def test_hybrid_decoding_and_speculation_are_the_python_layers_tokens(hybrid: LoadedModel) -> None:
+    """Greedy decoding on the native stack == on the Python layers, and an n-gram drafter's output == plain."""
+    model = hybrid.model
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
+    truth = generate(hybrid, prompt, max_tokens=20, ignore_eos=True).ids
+    assert isinstance(model._native._stack, HybridStack)
+    with python_path(model):
+        assert generate(hybrid, prompt, max_tokens=20, ignore_eos=True).ids == truth
+    got = generate(hybrid, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
+    assert got.ids == truth
+
+
+def test_hybrid_stack_steps_aside_for_experts_and_float_weights(root: Path) -> None:
+    x = torch.zeros(1, 1)
+    moe = make_tiny_hf_model(root, "qwen3_5_moe_text", seed=7, name="hybrid-moe-native")
+    q8 = load_model(str(qwen3_5_to_gguf(moe, root / "moe-native.gguf", HYBRID_Q8)), dtype="auto", max_context=256)
+    assert torch.inference_mode()(q8.model._native.get)(x) is None  # routed experts: the Python layers
+    fp32 = load_model(str(make_tiny_hf_model(root, "qwen3_5_text", seed=7, name="hybrid-fp32")), dtype="float32")
+    assert torch.inference_mode()(fp32.model._native.get)(x) is None  # no GGML blocks

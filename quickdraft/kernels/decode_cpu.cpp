@@ -94,6 +94,158 @@ class DecoderStack {
   int64_t window_;
 };
 
+// Qwen3.5's hybrid stack (Gated DeltaNet layers between gated full-attention layers; norms times
+// 1 + w; a dense SiLU MLP) in one native call per pass, as DecoderStack does for the standard layer:
+// the Python layers' own kernels (q8 GEMMs, rms_norm, rope, attend, gated_delta_rows) and the same
+// torch ops for the rest (sigmoid, silu, *, cat, and the fixed 8-row blocks of a float32 linear),
+// so bitwise their results (tests/test_native_stack.py). The recurrent state stays the cache's: the
+// caller hands each Gated DeltaNet layer the states its rows without a parent continue and gets
+// back the states of the rows ``keep`` names, per layer.
+class HybridStack {
+ public:
+  // A float32 linear (weight [N, K]) as quickdraft.models.batch_invariance.blocked_linear computes
+  // it for passes of up to NATIVE_CHAIN_ROWS rows: blocks of kRowBlock rows, zero-padded.
+  static constexpr int64_t kRowBlock = 8;
+  static torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w) {
+    const int64_t T = x.size(0), pad = (kRowBlock - T % kRowBlock) % kRowBlock;
+    const torch::Tensor xp = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
+    std::vector<torch::Tensor> blocks;
+    for (int64_t i = 0; i < T + pad; i += kRowBlock) blocks.push_back(at::linear(xp.narrow(0, i, kRowBlock), w));
+    return (blocks.size() > 1 ? at::cat(blocks) : blocks[0]).narrow(0, 0, T);
+  }
+
+  HybridStack(torch::Tensor cos, torch::Tensor sin, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              double scale, int64_t window)
+      : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), nh_(heads), nkv_(kv_heads), hd_(head_dim),
+        scale_(scale), window_(window) {}
+
+  // A Gated DeltaNet layer: proj [qkv, z] (+ [b, a] when q8), or b_w / a_w float32 [Hv, H].
+  void add_delta(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<WeightSpec> proj, OptTensor b_w,
+                 OptTensor a_w, torch::Tensor conv_w, torch::Tensor a_log, torch::Tensor dt_bias, torch::Tensor norm_w,
+                 double norm_eps, int64_t nk, int64_t dk, int64_t nv, int64_t dv, bool tiled, WeightSpec out,
+                 std::vector<WeightSpec> gate_up, WeightSpec down) {
+    TORCH_CHECK(proj.size() == 4 || (proj.size() == 2 && b_w.has_value() && a_w.has_value()),
+                "a Gated DeltaNet layer takes [qkv, z, b, a] blocks or [qkv, z] and float32 b / a");
+    kinds_.push_back(static_cast<int64_t>(deltas_.size()));
+    deltas_.push_back({std::move(in_norm), std::move(post_norm), std::move(proj), std::move(b_w), std::move(a_w),
+                       std::move(conv_w), std::move(a_log), std::move(dt_bias), std::move(norm_w), norm_eps, nk, dk, nv,
+                       dv, tiled, std::move(out), std::move(gate_up), std::move(down)});
+  }
+
+  // A gated full-attention layer: qkv [q and its gate (2 x heads x D), k, v].
+  void add_attention(torch::Tensor in_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
+                     std::vector<WeightSpec> qkv, WeightSpec o, std::vector<WeightSpec> gate_up, WeightSpec down) {
+    kinds_.push_back(-1 - static_cast<int64_t>(attns_.size()));
+    attns_.push_back({std::move(in_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), std::move(qkv),
+                      std::move(o), std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(kinds_.size()); }
+
+  // x [T, H] -> (hidden state after the last layer, the captured layer inputs, per Gated DeltaNet
+  // layer [T windows, T states] (undefined where keep is false)). Keys / values go into slots
+  // start.. of k_cache / v_cache [attention layers, kv heads, S, D]; parents / start_convs /
+  // start_states / keep: as gated_delta_rows takes them, the starts per Gated DeltaNet layer.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>> run(
+      torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+      int64_t start, const OptTensor& slots, const OptTensor& offsets, std::vector<int64_t> capture,
+      const std::vector<int64_t>& parents, const std::vector<std::vector<torch::Tensor>>& start_convs,
+      const std::vector<std::vector<torch::Tensor>>& start_states, const std::vector<bool>& keep) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+                "x must be a CPU float32 tensor [T, H]");
+    TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == static_cast<int64_t>(attns_.size()) &&
+                    v_cache.size(0) == static_cast<int64_t>(attns_.size()),
+                "the caches must be [attention layers, kv heads, S, D] for ", attns_.size(), " layers");
+    TORCH_CHECK(start_convs.size() == deltas_.size() && start_states.size() == deltas_.size(),
+                "one list of start windows and states per Gated DeltaNet layer");
+    const int64_t T = x.size(0);
+    std::vector<torch::Tensor> captured;
+    std::vector<std::vector<torch::Tensor>> rows;
+    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
+    x = x.contiguous();
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      if (wants(i)) captured.push_back(x);
+      const int64_t kind = kinds_[i];
+      const auto& [in_norm, post_norm, gate_up, down] =
+          kind >= 0 ? std::tie(deltas_[kind].in_norm, deltas_[kind].post_norm, deltas_[kind].gate_up, deltas_[kind].down)
+                    : std::tie(attns_[-1 - kind].in_norm, attns_[-1 - kind].post_norm, attns_[-1 - kind].gate_up,
+                               attns_[-1 - kind].down);
+      const torch::Tensor h = qd_api::rms_norm(x, in_norm, eps_, 1.0);
+      if (kind >= 0) {
+        const Delta& d = deltas_[kind];
+        auto p = qd_api::linear_multi(h, d.proj);
+        if (d.proj.size() == 2) {
+          p.push_back(blocked_linear(h, *d.b_w));
+          p.push_back(blocked_linear(h, *d.a_w));
+        }
+        auto r = qd_api::gated_delta_rows(p[0].contiguous(), p[1].contiguous(), p[2].contiguous(), p[3].contiguous(),
+                                          d.conv_w, d.a_log.exp().neg(), d.dt_bias, d.norm_w, d.norm_eps, d.nk, d.dk,
+                                          d.nv, d.dv, d.tiled, parents, start_convs[kind], start_states[kind], keep);
+        x = qd_api::linear_multi(r[0], {d.out}, x)[0];  // x + out_proj(o), added as it is stored
+        rows.emplace_back(r.begin() + 1, r.end());
+      } else {
+        const int64_t a_index = -1 - kind;
+        const Attn& a = attns_[a_index];
+        auto p = qd_api::linear_multi(h, a.qkv);
+        const torch::Tensor qg = p[0].view({T, nh_, 2 * hd_});
+        torch::Tensor q = qg.narrow(2, 0, hd_).transpose(0, 1);  // [Hq, T, D]
+        const torch::Tensor gate = qg.narrow(2, hd_, hd_).reshape({T, nh_ * hd_});
+        torch::Tensor k = p[1].view({T, nkv_, hd_}).transpose(0, 1);
+        torch::Tensor v = p[2].view({T, nkv_, hd_}).transpose(0, 1);
+        q = rope(qd_api::rms_norm(q.contiguous(), a.q_norm, eps_, 1.0), positions);
+        k = rope(qd_api::rms_norm(k.contiguous(), a.k_norm, eps_, 1.0), positions);
+        const auto att = qd_api::attend(q, k_cache.select(0, a_index), v_cache.select(0, a_index), start, window_,
+                                        scale_, slots, offsets, k, v);
+        x = qd_api::linear_multi(att * at::sigmoid(gate), {a.o}, x)[0];
+      }
+      const auto gu = qd_api::linear_multi(qd_api::rms_norm(x, post_norm, eps_, 1.0), gate_up);
+      torch::Tensor m = gu[0];  // silu(gate) * up, in place
+      at::silu_(m);
+      m.mul_(gu[1]);
+      x = qd_api::linear_multi(m, {down}, x)[0];
+    }
+    if (wants(num_layers())) captured.push_back(x);
+    return {x, captured, rows};
+  }
+
+ private:
+  struct Delta {
+    torch::Tensor in_norm, post_norm;
+    std::vector<WeightSpec> proj;
+    OptTensor b_w, a_w;
+    torch::Tensor conv_w, a_log, dt_bias, norm_w;
+    double norm_eps;
+    int64_t nk, dk, nv, dv;
+    bool tiled;
+    WeightSpec out;
+    std::vector<WeightSpec> gate_up;
+    WeightSpec down;
+  };
+  struct Attn {
+    torch::Tensor in_norm, post_norm, q_norm, k_norm;
+    std::vector<WeightSpec> qkv;
+    WeightSpec o;
+    std::vector<WeightSpec> gate_up;
+    WeightSpec down;
+  };
+
+  // RoPE over the first cos.size(1) dims of each head (all of them, or Qwen3.5's partial rotary)
+  torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& positions) const {
+    const int64_t dim = cos_.size(1);
+    if (dim == hd_) return qd_api::rope(x, cos_, sin_, positions);
+    return at::cat({qd_api::rope(x.narrow(2, 0, dim), cos_, sin_, positions), x.narrow(2, dim, hd_ - dim)}, -1);
+  }
+
+  std::vector<int64_t> kinds_;  // per layer: its index among deltas_ (>= 0), or -1 - its index among attns_
+  std::vector<Delta> deltas_;
+  std::vector<Attn> attns_;
+  torch::Tensor cos_, sin_;
+  double eps_;
+  int64_t nh_, nkv_, hd_;
+  double scale_;
+  int64_t window_;
+};
+
 }  // namespace
 
 void register_decode(pybind11::module& m) {
@@ -110,4 +262,22 @@ void register_decode(pybind11::module& m) {
            pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
            pybind11::arg("start"), pybind11::arg("slots") = pybind11::none(),
            pybind11::arg("offsets") = pybind11::none(), pybind11::arg("capture") = std::vector<int64_t>{});
+  pybind11::class_<HybridStack>(m, "HybridStack")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double, int64_t>(),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("eps"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("window"))
+      .def("add_delta", &HybridStack::add_delta, pybind11::arg("in_norm"), pybind11::arg("post_norm"),
+           pybind11::arg("proj"), pybind11::arg("b_w"), pybind11::arg("a_w"), pybind11::arg("conv_w"),
+           pybind11::arg("a_log"), pybind11::arg("dt_bias"), pybind11::arg("norm_w"), pybind11::arg("norm_eps"),
+           pybind11::arg("nk"), pybind11::arg("dk"), pybind11::arg("nv"), pybind11::arg("dv"), pybind11::arg("tiled"),
+           pybind11::arg("out"), pybind11::arg("gate_up"), pybind11::arg("down"))
+      .def("add_attention", &HybridStack::add_attention, pybind11::arg("in_norm"), pybind11::arg("post_norm"),
+           pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("qkv"), pybind11::arg("o"),
+           pybind11::arg("gate_up"), pybind11::arg("down"))
+      .def("num_layers", &HybridStack::num_layers)
+      .def("run", &HybridStack::run, "(hidden [T, H], captured layer inputs, per Gated DeltaNet layer [windows, states])",
+           pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"), pybind11::arg("slots"),
+           pybind11::arg("offsets"), pybind11::arg("capture"), pybind11::arg("parents"), pybind11::arg("start_convs"),
+           pybind11::arg("start_states"), pybind11::arg("keep"));
 }

@@ -245,6 +245,16 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
 
 }  // namespace
 
+std::vector<torch::Tensor> qd_api::gated_delta_rows(
+    const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b, const torch::Tensor& a,
+    const torch::Tensor& conv_w, const torch::Tensor& a_scale, const torch::Tensor& dt_bias, const torch::Tensor& norm_w,
+    double eps, int64_t nk, int64_t dk, int64_t nv, int64_t dv, bool tiled, const std::vector<int64_t>& parents,
+    const std::vector<torch::Tensor>& start_convs, const std::vector<torch::Tensor>& start_states,
+    const std::vector<bool>& keep) {
+  return ::gated_delta_rows(mixed, z, b, a, conv_w, a_scale, dt_bias, norm_w, eps, nk, dk, nv, dv, tiled, parents,
+                            start_convs, start_states, keep);
+}
+
 void register_delta(pybind11::module& m) {
   m.def("gated_delta_rows", &gated_delta_rows,
         "Gated DeltaNet rows (convolution, gates, delta rule, gated RMSNorm), each continuing its parent row's "

@@ -34,12 +34,23 @@ std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vecto
                                         const c10::optional<torch::Tensor>& residual = c10::nullopt);
 
 // ops_cpu.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+// offset: 0 (w * normed x) or 1 ((1 + w) * normed x: Gemma's and Qwen3.5's norms)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, double offset = 0.0);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                    const torch::Tensor& positions);
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
                      int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
                      const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
                      const c10::optional<torch::Tensor>& v_new);
+
+// delta_cpu.cpp: Gated DeltaNet rows -> [out [T, Hv*Dv], T windows, T states] (undefined where keep is false)
+std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,
+                                            const torch::Tensor& a, const torch::Tensor& conv_w,
+                                            const torch::Tensor& a_scale, const torch::Tensor& dt_bias,
+                                            const torch::Tensor& norm_w, double eps, int64_t nk, int64_t dk,
+                                            int64_t nv, int64_t dv, bool tiled, const std::vector<int64_t>& parents,
+                                            const std::vector<torch::Tensor>& start_convs,
+                                            const std::vector<torch::Tensor>& start_states,
+                                            const std::vector<bool>& keep);
 
 }  // namespace qd_api

@@ -3,7 +3,9 @@
 // At one token per step a 1.5B model's layer is ~50 torch ops, and each op costs a few
 // microseconds of dispatch whatever its size: RMSNorm is 6 of them, RoPE (q and k) 16. These
 // replace them with one call each, computing the same formulas in fp32:
-//   rms_norm: y = w * (x * (1 / sqrt(mean(x^2) + eps)))   (mean: fixed 8-lane order, one row alone)
+//   rms_norm: y = w * (x * (1 / sqrt(mean(x^2) + eps)))   (mean: fixed 8-lane order, one row alone);
+//             with offset 1 (Gemma's and Qwen3.5's norms): y = (w + 1) * (x * r), the same bits as
+//             torch's h * (1 + w) (both products and the sum are commutative)
 //   rope:     y[d] = x[d] * cos[p, d] + rot[d] * sin[p, d],  rot = [-x[D/2:], x[:D/2]]
 //   attend:   softmax(q . k_j * scale) . v_j over the cache slots each query row may see (decode
 //             and verification rows: a chain's causal prefix, a sliding window, or a tree row's
@@ -48,7 +50,7 @@ float sum_squares(const float* x, int64_t n) {
   return r;
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, double offset) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous CPU float32 tensor [..., H]");
   const int64_t H = x.size(-1);
@@ -59,12 +61,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const float e = static_cast<float>(eps);
+  const float e = static_cast<float>(eps), off = static_cast<float>(offset);
   for (int64_t t = 0; t < T; ++t) {
     const float* xr = xp + t * H;
     float* yr = yp + t * H;
     const float r = 1.0f / std::sqrt(sum_squares(xr, H) / static_cast<float>(H) + e);
-    for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * r);
+    if (offset == 0.0)
+      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * r);
+    else
+      for (int64_t i = 0; i < H; ++i) yr[i] = (wp[i] + off) * (xr[i] * r);
   }
   return y;
 }
@@ -609,8 +614,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 }  // namespace
 
-torch::Tensor qd_api::rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  return ::rms_norm(x, w, eps);
+torch::Tensor qd_api::rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, double offset) {
+  return ::rms_norm(x, w, eps, offset);
 }
 torch::Tensor qd_api::rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                            const torch::Tensor& positions) {
@@ -668,8 +673,8 @@ void register_ops(pybind11::module& m) {
         "streaming-read GB/s of nthreads threads over a buffer of bytes (best of repeats, every other one with "
         "software prefetch)",
         pybind11::arg("bytes"), pybind11::arg("num_threads"), pybind11::arg("repeats") = 3);
-  m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row (fp32)", pybind11::arg("x"),
-        pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("rms_norm", &rms_norm, "(w + offset) * x / sqrt(mean(x^2) + eps) per row (fp32)", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("offset") = 0.0);
   m.def("rope", &rope, "rotate-half RoPE of x [heads, T, D] at positions, from cos/sin tables [S, D]",
         pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"));
   m.def("attend", &attend,

@@ -28,7 +28,7 @@ from quickdraft.models.batch_invariance import (
 )
 from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, allocate_empty, embedding
-from quickdraft.models.native import NativeStack
+from quickdraft.models.native import NativePass, NativeStack, build_stack
 from quickdraft.quant.fp8 import FP8Linear
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, layout_epoch
 
@@ -66,7 +66,9 @@ class CausalLM(nn.Module):
         self.model: Any = self.backbone(cfg, max_len)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self._native = NativeStack()
+        rope = self.model.rope
+        assert isinstance(rope, Rope), "a backbone's RoPE tables: model.rope"
+        self._native = NativeStack(self.native_stack, rope)
         self._prefill_rows: tuple[tuple[int, bool], int] = ((-1, False), PREFILL_CHUNK)  # (when, prefill_rows)
         self._vocab_subset: tuple[torch.Tensor, nn.Module] | None = None  # set_output_vocab
         self.load_notes: list[str] = []  # what loading left out of the checkpoint, for the start-up lines
@@ -164,10 +166,9 @@ class CausalLM(nn.Module):
         # a chain (causal: not a tree, not rows of several sequences) of up to NATIVE_CHAIN_ROWS rows
         # runs in the native stack too (a prompt's prefill passes of up to 256 rows)
         chain = not step.tree
-        stack = self._native.get(self.model.layers, x) if invariant_pass(t, chain) else None
+        stack = self._native.get(x) if invariant_pass(t, chain) else None
         if stack is not None:  # every layer in one native call: bitwise the loop below
-            slots, offsets = step.flat_slots(self.model.layers[0].self_attn.window)
-            x, captured = stack.run(x, positions, cache.attention.k, cache.attention.v, start, slots, offsets, list(capture))
+            x, captured = stack.run(x, step, capture)
         else:
             x, captured = self._layers(x, step, capture)
         cache.advance(t)
@@ -227,6 +228,11 @@ class CausalLM(nn.Module):
         if len(self.model.layers) in capture:
             captured.append(x)
         return x, captured
+
+    def native_stack(self) -> NativePass | None:
+        """Every layer of a pass in one native call (:mod:`quickdraft.models.native`), or None where
+        the kernels do not compute these layers (a family with other layers overrides this)."""
+        return build_stack(self.model.layers)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, H]."""

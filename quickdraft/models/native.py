@@ -1,6 +1,8 @@
 """The native decoder stack: every layer of a decode / verification pass in one C++ call.
 
-``CausalLM.forward`` uses it where it applies: the kernels built and active, a CPU fp32 pass of at
+A family says which stack its layers have (:meth:`CausalLM.native_stack
+<quickdraft.models.causal_lm.CausalLM.native_stack>`): the standard layer's here
+(:func:`build_stack`), Qwen3.5's hybrid one in ``qwen3_5.py``. ``CausalLM.forward`` uses it where it applies: the kernels built and active, a CPU fp32 pass of at
 most ``BLOCKED_MAX_ROWS`` rows outside autograd, and a model made of the standard layer
 (:class:`~quickdraft.models.layers.DecoderLayer`: Llama, Qwen2/3, Mistral) whose linears are all
 GGML blocks in q8 mode. It computes bitwise what the Python layers compute (the same kernels and
@@ -11,26 +13,52 @@ weights, CUDA, training) runs the Python layers as before.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from quickdraft.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from quickdraft.models.forward_pass import Step
+from quickdraft.models.layers import MLP, Attention, DecoderLayer, RMSNorm, Rope
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, layout_epoch
 
+WeightSpec = tuple[int, torch.Tensor, int, torch.Tensor | None]  # as the kernels take a GGML block matrix
 
-def _spec(m: nn.Module) -> tuple[int, torch.Tensor, int, torch.Tensor | None] | None:
+
+class NativePass(Protocol):
+    """A model's whole stack of layers for one pass in one native call."""
+
+    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(hidden state after the last layer, the inputs of the ``capture`` layers), bitwise what
+        the Python layers give for the pass ``step`` describes (its keys, values and states written)."""
+        ...
+
+
+def weight_spec(m: nn.Module) -> WeightSpec | None:
+    """A q8-mode GGML linear as the kernels take it; None for anything else."""
     if type(m) is not GGMLLinear or m.activation_mode != "q8":
         return None
     qt = m._set_layout(True)
     return qt, m.raw, m.in_features, m.bias
 
 
-def build_stack(layers: nn.ModuleList) -> Any | None:
-    """A kernels ``DecoderStack`` for these layers, or None where it does not apply."""
+class DenseStack:
+    """The standard layer's stack (the kernels' ``DecoderStack``)."""
+
+    def __init__(self, native: Any, window: int | None) -> None:
+        self.native, self.window = native, window
+
+    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        slots, offsets = step.flat_slots(self.window)
+        cache = step.cache.attention
+        return self.native.run(x, step.positions, cache.k, cache.v, step.start, slots, offsets, list(capture))
+
+
+def build_stack(layers: nn.ModuleList) -> DenseStack | None:
+    """The standard layers' native stack, or None where it does not apply."""
     mod = active_kernels()
-    if mod is None or len(layers) == 0 or not hasattr(mod, "DecoderStack"):
+    if mod is None or len(layers) == 0:
         return None
     first = layers[0]
     if type(first) is not DecoderLayer:
@@ -52,7 +80,7 @@ def build_stack(layers: nn.ModuleList) -> Any | None:
         if (a.rope is not rope or a.window != attn0.window or (a.nh, a.nkv, a.hd) != (attn0.nh, attn0.nkv, attn0.hd)
                 or a.scale != attn0.scale):
             return None
-        lin = [_spec(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        lin = [weight_spec(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
         if any(s is None for s in lin):
             return None
         specs.append((
@@ -63,27 +91,30 @@ def build_stack(layers: nn.ModuleList) -> Any | None:
         ))
     if attn0.hd % 8 or rope.cos.dtype != torch.float32 or not rope.cos.is_cpu:
         return None
-    return mod.DecoderStack(
+    native = mod.DecoderStack(
         specs, rope.cos.contiguous(), rope.sin.contiguous(), float(eps), attn0.nh, attn0.nkv, attn0.hd,
         float(attn0.scale), attn0.window or 0,
     )
+    return DenseStack(native, attn0.window)
 
 
 class NativeStack:
-    """The model's stack, rebuilt when any layer's weights, layout or mode may have changed."""
+    """A model's native stack (``build()``), rebuilt when any layer's weights, layout or mode may
+    have changed, or its RoPE tables were replaced."""
 
-    def __init__(self) -> None:
-        self._stack: Any | None = None
+    def __init__(self, build: Callable[[], NativePass | None], rope: Rope) -> None:
+        self._build, self._rope = build, rope
+        self._stack: NativePass | None = None
         self._epoch = -1
         self._rope_cos: torch.Tensor | None = None
 
-    def get(self, layers: nn.ModuleList, x: torch.Tensor) -> Any | None:
+    def get(self, x: torch.Tensor) -> NativePass | None:
+        """The stack for a pass over ``x`` [T, H], or None: the Python layers run it."""
         if x.dtype is not torch.float32 or not x.is_cpu or torch.is_grad_enabled() or active_kernels() is None:
             return None
-        rope = getattr(getattr(layers[0], "self_attn", None), "rope", None)
-        cos = getattr(rope, "cos", None)  # new tables (materialize, .to()) mean a new stack
+        cos = self._rope.cos  # new tables (materialize, .to()) mean a new stack
         if self._epoch != layout_epoch() or cos is not self._rope_cos:
-            self._stack = build_stack(layers)
+            self._stack = self._build()
             self._epoch = layout_epoch()  # after the build: it may repack layers (and move the epoch)
             self._rope_cos = cos
         return self._stack

@@ -23,7 +23,7 @@ in a prefill chunk, a verification chain, a tree or a pass over several sequence
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ from quickdraft.models.moe import (
     check_moe_config,
     convert_expert_layouts,
 )
+from quickdraft.models.native import WeightSpec, weight_spec
 from quickdraft.models.phi3 import PartialRope
 from quickdraft.quant.ggml import active_kernels
 
@@ -278,13 +279,7 @@ class GatedDeltaNet(nn.Module):
         if recurrent is None:
             raise ValueError("a hybrid model runs on caches from its own make_cache()")
         parents = step.row_parents()
-
-        def before(i: int) -> State:  # the state a row without a parent in the pass continues
-            lane = step.state_cache(i).recurrent
-            assert lane is not None, "a hybrid model runs on its own make_cache()"
-            return lane.state(self.index)
-
-        starts = [before(i) for i, p in enumerate(parents) if p < 0]
+        starts = pass_starts(step, parents, self.index)
         keep = recurrent.kept_rows()
         mod = active_kernels()
         if mod is not None and mixed.dtype == torch.float32 and not mixed.is_cuda and not torch.is_grad_enabled() \
@@ -337,6 +332,18 @@ class GatedDeltaNet(nn.Module):
             o = (s * q[:, :, None]).sum(dim=-2)  # [Hv, Dv]
             out.append(self.norm(o, z[i].view(self.nv, self.dv)).reshape(self.value_dim))
         return torch.stack(out), list(zip(convs, mats, strict=True))
+
+
+def pass_starts(step: Step, parents: list[int], layer: int) -> list[State]:
+    """Linear-attention layer ``layer``'s states that the pass's rows without a parent continue,
+    in row order (each from its own sequence's cache)."""
+    starts = []
+    for i, p in enumerate(parents):
+        if p < 0:
+            lane = step.state_cache(i).recurrent
+            assert lane is not None, "a hybrid model runs on its own make_cache()"
+            starts.append(lane.state(layer))
+    return starts
 
 
 class GatedAttention(Attention):
@@ -409,12 +416,106 @@ class _Backbone(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class HybridStack:
+    """Every layer of a pass in one native call (the kernels' ``HybridStack``: bitwise the Python
+    layers); the recurrent state stays the cache's, handed in and recorded as the layers do."""
+
+    def __init__(self, native: Any, layers: int) -> None:
+        self.native, self.layers = native, layers  # layers: how many are Gated DeltaNet ones
+
+    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        recurrent = step.cache.recurrent
+        if recurrent is None:
+            raise ValueError("a hybrid model runs on caches from its own make_cache()")
+        parents = step.row_parents()
+        recurrent.begin_rows(step.start, parents, step.outputs)
+        starts = [pass_starts(step, parents, i) for i in range(self.layers)]
+        slots, offsets = step.flat_slots(None)
+        cache = step.cache.attention
+        x, captured, rows = self.native.run(
+            x, step.positions, cache.k, cache.v, step.start, slots, offsets, list(capture), parents,
+            [[c for c, _ in layer] for layer in starts], [[m for _, m in layer] for layer in starts],
+            recurrent.kept_rows())
+        t = len(parents)
+        for i, r in enumerate(rows):
+            recurrent.record(i, [(c, m) if c is not None and m is not None else None
+                                 for c, m in zip(r[:t], r[t:], strict=True)])
+        return x, captured
+
+
+def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None:
+    """Qwen3.5's native stack for these layers, or None where it does not apply: every layer
+    dense (no routed experts), every matrix a q8 GGML block (b / a may be float32), fp32 norms."""
+    mod = active_kernels()
+    layers = [m for m in modules if isinstance(m, DecoderLayer)]
+    if mod is None or not layers or len(layers) != len(modules) or rope.cos.dtype != torch.float32 \
+            or not rope.cos.is_cpu:
+        return None
+    eps = layers[0].input_layernorm.eps
+
+    def fp32(*ts: torch.Tensor) -> bool:
+        return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
+
+    def norm_ok(*ns: nn.Module | None) -> bool:
+        return all(type(n) is GemmaRMSNorm and n.eps == eps and fp32(n.weight) for n in ns)
+
+    def specs(*ms: nn.Module) -> list[WeightSpec] | None:
+        out = [weight_spec(m) for m in ms]
+        return None if any(s is None for s in out) else out  # type: ignore[return-value]
+
+    def float_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear, as blocked_linear runs it
+        if type(m) is not Linear or m.bias is not None or not fp32(m.weight) or 1 < m.out_features < 4:
+            return None
+        return m.weight.detach()
+
+    attn0 = next((layer.self_attn for layer in layers if not layer.linear), None)
+    heads = (attn0.nh, attn0.nkv, attn0.hd, attn0.scale, attn0.window) if attn0 is not None else (1, 1, 8, 1.0, None)
+    stack = mod.HybridStack(rope.cos.contiguous(), rope.sin.contiguous(), float(eps), heads[0], heads[1], heads[2],
+                            float(heads[3]), heads[4] or 0)
+    deltas = 0
+    for layer in layers:
+        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
+            return None
+        mlp = layer.mlp
+        gate_up, down = specs(mlp.gate_proj, mlp.up_proj), specs(mlp.down_proj)
+        if gate_up is None or down is None or not norm_ok(layer.input_layernorm, layer.post_attention_layernorm):
+            return None
+        norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
+        if layer.linear:
+            d = layer.linear_attn
+            if type(d) is not GatedDeltaNet or not fp32(d.conv1d.weight, d.A_log, d.dt_bias, d.norm.weight):
+                return None
+            proj, out = specs(d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a), specs(d.out_proj)
+            b_w = a_w = None
+            if proj is None:  # b and a float32 (as llama.cpp's quantizer leaves them)
+                proj, b_w, a_w = specs(d.in_proj_qkv, d.in_proj_z), float_rows(d.in_proj_b), float_rows(d.in_proj_a)
+                if proj is None or b_w is None or a_w is None:
+                    return None
+            if out is None or not d.conv1d.weight.is_contiguous():
+                return None
+            stack.add_delta(*norms, proj, b_w, a_w, d.conv1d.weight.detach(), d.A_log.detach(), d.dt_bias.detach(),
+                            d.norm.weight.detach(), d.norm.eps, d.nk, d.dk, d.nv, d.dv, d.tiled, out[0], gate_up, down[0])
+            deltas += 1
+        else:
+            a = layer.self_attn
+            qkv, o = specs(a.q_proj, a.k_proj, a.v_proj), specs(a.o_proj)
+            if (type(a) is not GatedAttention or qkv is None or o is None or a.q_norm is None or a.k_norm is None
+                    or not norm_ok(a.q_norm, a.k_norm) or a.rope is not rope or not a.native
+                    or (a.nh, a.nkv, a.hd, a.scale, a.window) != heads or a.hd % 8):
+                return None
+            stack.add_attention(*norms, a.q_norm.weight.detach(), a.k_norm.weight.detach(), qkv, o[0], gate_up, down[0])
+    return HybridStack(stack, deltas)
+
+
 class CausalLM(causal_lm.CausalLM):
     """``model(ids, cache) -> (logits, captured)``, the interface of :class:`causal_lm.CausalLM`, on
     a :class:`HybridCache`."""
 
     backbone = _Backbone
     converts_checkpoint = True
+
+    def native_stack(self) -> HybridStack | None:
+        return build_hybrid_stack(self.model.layers, self.model.rope)
 
     def recurrent_shape(self) -> RecurrentShape:
         cfg = self.config
