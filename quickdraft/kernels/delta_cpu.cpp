@@ -79,27 +79,27 @@ inline void gate(float* o, const float* z, const float* w, float inv, int64_t n)
 
 // One value head's delta rule over its state: s_new = s_prev * decay + k (beta (v - (s_prev*decay)^T k))^T,
 // o = s_new^T q; s_prev and s_new [dk, dv] (may be the same memory: each element is read before it is
-// written, so in place gives the same bits).
+// written, so in place gives the same bits). Two passes over s_prev (the second from the core's cache)
+// and one store of s_new: the decayed state is computed in each pass (the same product, the same bits),
+// not stored and read back.
 void head_step(const float* sp, float* sn, const float* k, const float* q, const float* v, float beta, float decay,
                int64_t dk, int64_t dv, float* r, float* o) {
   for (int64_t j = 0; j < dv; ++j) r[j] = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
     const float* a = sp + i * dv;
-    float* s = sn + i * dv;
     const float ki = k[i];
-    for (int64_t j = 0; j < dv; ++j) {
-      s[j] = a[j] * decay;
-      r[j] += s[j] * ki;
-    }
+    for (int64_t j = 0; j < dv; ++j) r[j] += (a[j] * decay) * ki;
   }
   for (int64_t j = 0; j < dv; ++j) r[j] = (v[j] - r[j]) * beta;  // the delta, scaled by beta
   for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
+    const float* a = sp + i * dv;
     float* s = sn + i * dv;
     const float ki = k[i], qi = q[i];
     for (int64_t j = 0; j < dv; ++j) {
-      s[j] += ki * r[j];
-      o[j] += s[j] * qi;
+      const float x = a[j] * decay + ki * r[j];
+      s[j] = x;
+      o[j] += x * qi;
     }
   }
 }
