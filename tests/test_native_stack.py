@@ -12,11 +12,12 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from helpers import generate
-from tiny import hf_to_gguf, make_tiny_hf_model, qwen3_5_to_gguf
+from tiny import GEMMA4_MOE, gemma4_to_gguf, hf_to_gguf, make_tiny_hf_model, qwen3_5_to_gguf
 
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.gemma4 import Gemma4Stack
 from quickdraft.models.native import DenseStack
 from quickdraft.models.qwen3_5 import HybridStack
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
@@ -348,3 +349,80 @@ def test_hybrid_stack_steps_aside_for_experts_and_float_weights(root: Path) -> N
     assert torch.inference_mode()(q8.model._native.get)(x) is None  # routed experts: the Python layers
     fp32 = load_model(str(make_tiny_hf_model(root, "qwen3_5_text", seed=7, name="hybrid-fp32")), dtype="float32")
     assert torch.inference_mode()(fp32.model._native.get)(x) is None  # no GGML blocks
+
+
+# ------------------------------------------------------------------- Gemma 4's stack
+
+GEMMA4_Q8 = {name: "Q8_0" for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                       "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")}
+
+
+@pytest.fixture(scope="module", params=["float-inputs", "q8-inputs"])
+def gemma4(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+    """Tiny Gemma 4 (sliding window 5, full layers of twice the head size, the last two layers reading
+    shared keys / values with double-wide MLPs, per-layer inputs) as a Q8_0 GGUF; its per-layer input
+    gate float32 or Q8_0 (the projection back, 16 wide, stays float32)."""
+    qtypes = GEMMA4_Q8 | ({"inp_gate.weight": "Q8_0"} if request.param == "q8-inputs" else {})
+    folder = make_tiny_hf_model(root, "gemma4_text", seed=4, name="gemma4-native")
+    path = gemma4_to_gguf(folder, root / f"gemma4-{request.param}.gguf", qtypes)
+    return load_model(str(path), dtype="auto", max_context=256)
+
+
+def gemma4_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
+    """(native, python): logits, captured, and every layer's keys and values after one pass over
+    ``ids`` after ``prompt``."""
+    out = []
+    for native in (True, False):
+        cache = model.new_cache()
+        model(torch.tensor(prompt), cache)
+        if native:
+            logits, captured = model(torch.tensor(ids), cache, **kw)
+            assert isinstance(model._native._stack, Gemma4Stack)  # the pass ran natively
+        else:
+            with python_path(model):
+                logits, captured = model(torch.tensor(ids), cache, **kw)
+        n = cache.length
+        out.append((logits, captured, [k[:, :n].clone() for k in cache.k_layers], [v[:, :n].clone() for v in cache.v_layers]))
+    return out
+
+
+def assert_gemma4_same(a, b) -> None:  # noqa: ANN001
+    assert torch.equal(a[0], b[0])
+    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3], strict=True))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+def test_gemma4_chain_rows_bitwise_equal_python(gemma4: LoadedModel, rows: int) -> None:
+    model = gemma4.model
+    with torch.inference_mode():
+        assert isinstance(model._native.get(torch.zeros(1, 1)), Gemma4Stack)  # it applies here
+    ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
+    native, python = gemma4_paths(model, PROMPT, ids, capture=[0, 2, 4])
+    assert_gemma4_same(native, python)
+    assert len(native[1]) == 3
+
+
+def test_gemma4_tree_rows_bitwise_equal_python(gemma4: LoadedModel) -> None:
+    """A tree deeper than the sliding window (5): its sliding layers see each row's own window of slots."""
+    model = gemma4.model
+    mask, pos = tree_mask(len(PROMPT), [-1, 0, 1, 2, 3, 4, 5, 1, 7])
+    native, python = gemma4_paths(model, PROMPT, [9, 30, 31, 40, 41, 50, 60, 70, 80], mask=mask, positions=pos)
+    assert_gemma4_same(native, python)
+
+
+def test_gemma4_decoding_and_speculation_are_the_python_layers_tokens(gemma4: LoadedModel) -> None:
+    model = gemma4.model
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
+    truth = generate(gemma4, prompt, max_tokens=20, ignore_eos=True).ids
+    assert isinstance(model._native._stack, Gemma4Stack)
+    with python_path(model):
+        assert generate(gemma4, prompt, max_tokens=20, ignore_eos=True).ids == truth
+    got = generate(gemma4, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
+    assert got.ids == truth
+
+
+def test_gemma4_stack_steps_aside_for_experts(root: Path) -> None:
+    moe = make_tiny_hf_model(root, "gemma4_text", seed=4, name="gemma4-moe-native", **GEMMA4_MOE)
+    q8 = load_model(str(gemma4_to_gguf(moe, root / "gemma4-moe-native.gguf", GEMMA4_Q8)), dtype="auto", max_context=256)
+    assert torch.inference_mode()(q8.model._native.get)(torch.zeros(1, 1)) is None  # routed experts: Python layers

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -94,6 +95,26 @@ class DecoderStack {
   int64_t window_;
 };
 
+// A float32 linear (weight [N, K], no bias) as quickdraft.models.batch_invariance.blocked_linear
+// computes it for passes of up to NATIVE_CHAIN_ROWS rows: blocks of kRowBlock rows, zero-padded.
+constexpr int64_t kRowBlock = 8;
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t T = x.size(0), pad = (kRowBlock - T % kRowBlock) % kRowBlock;
+  const torch::Tensor xp = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
+  std::vector<torch::Tensor> blocks;
+  for (int64_t i = 0; i < T + pad; i += kRowBlock) blocks.push_back(at::linear(xp.narrow(0, i, kRowBlock), w));
+  return (blocks.size() > 1 ? at::cat(blocks) : blocks[0]).narrow(0, 0, T);
+}
+
+// A projection the Python layer runs either as a q8 GGML block matrix or as a float32 Linear.
+struct Proj {
+  std::optional<WeightSpec> q8;
+  OptTensor w;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return q8.has_value() ? qd_api::linear_multi(x, {*q8})[0] : blocked_linear(x, *w);
+  }
+};
+
 // Qwen3.5's hybrid stack (Gated DeltaNet layers between gated full-attention layers; norms times
 // 1 + w; a dense SiLU MLP) in one native call per pass, as DecoderStack does for the standard layer:
 // the Python layers' own kernels (q8 GEMMs, rms_norm, rope, attend, gated_delta_rows) and the same
@@ -103,17 +124,6 @@ class DecoderStack {
 // back the states of the rows ``keep`` names, per layer.
 class HybridStack {
  public:
-  // A float32 linear (weight [N, K]) as quickdraft.models.batch_invariance.blocked_linear computes
-  // it for passes of up to NATIVE_CHAIN_ROWS rows: blocks of kRowBlock rows, zero-padded.
-  static constexpr int64_t kRowBlock = 8;
-  static torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w) {
-    const int64_t T = x.size(0), pad = (kRowBlock - T % kRowBlock) % kRowBlock;
-    const torch::Tensor xp = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
-    std::vector<torch::Tensor> blocks;
-    for (int64_t i = 0; i < T + pad; i += kRowBlock) blocks.push_back(at::linear(xp.narrow(0, i, kRowBlock), w));
-    return (blocks.size() > 1 ? at::cat(blocks) : blocks[0]).narrow(0, 0, T);
-  }
-
   HybridStack(torch::Tensor cos, torch::Tensor sin, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
               double scale, int64_t window)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), nh_(heads), nkv_(kv_heads), hd_(head_dim),
@@ -246,6 +256,117 @@ class HybridStack {
   int64_t window_;
 };
 
+// Gemma 4's stack (gemma-4-E2B / E4B: q/k norms, a weightless value norm, scale 1, sliding and full
+// layers with their own head sizes and RoPE tables, KV-sharing layers that only read, norms after
+// attention and MLP, the tanh-GELU MLP, per-layer inputs, a per-layer scalar) in one native call per
+// pass, with the Python layers' own kernels and torch ops: bitwise their results
+// (tests/test_native_stack.py). Layers with routed experts are not taken (the 26B-A4B's run in Python).
+class Gemma4Stack {
+ public:
+  Gemma4Stack(double eps, int64_t row_lanes) : eps_(eps), row_lanes_(row_lanes) {}
+
+  // norms: input, post-attention, pre-feedforward, post-feedforward. k absent: a layer reading another
+  // layer's keys and values; v absent (k present): values are the projected keys.
+  void add_layer(std::vector<torch::Tensor> norms, WeightSpec q, std::optional<WeightSpec> k,
+                 std::optional<WeightSpec> v, torch::Tensor q_norm, OptTensor k_norm, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, int64_t window, double scale, torch::Tensor cos, torch::Tensor sin, WeightSpec o,
+                 std::vector<WeightSpec> gate_up, WeightSpec down, std::optional<WeightSpec> input_gate_q8,
+                 OptTensor input_gate_w, std::optional<WeightSpec> input_proj_q8, OptTensor input_proj_w,
+                 OptTensor input_norm, torch::Tensor scalar) {
+    TORCH_CHECK(norms.size() == 4, "a Gemma 4 layer has four norms");
+    TORCH_CHECK(k.has_value() || !v.has_value(), "a layer reading shared keys has no value projection");
+    layers_.push_back({std::move(norms), std::move(q), std::move(k), std::move(v), std::move(q_norm),
+                       std::move(k_norm), heads, kv_heads, head_dim, window, scale, std::move(cos), std::move(sin),
+                       std::move(o), std::move(gate_up), std::move(down),
+                       Proj{std::move(input_gate_q8), std::move(input_gate_w)},
+                       Proj{std::move(input_proj_q8), std::move(input_proj_w)}, std::move(input_norm),
+                       std::move(scalar)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, H] -> (hidden state after the last layer, the captured layer inputs). k_layers / v_layers:
+  // each layer's cache [kv heads, S, D] (a sharing layer's: its source's); slots / offsets: tree rows
+  // for full layers, window_slots / window_offsets for sliding ones; layer_inputs [T, layers, P] or None.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(
+      torch::Tensor x, const torch::Tensor& positions, const std::vector<torch::Tensor>& k_layers,
+      const std::vector<torch::Tensor>& v_layers, int64_t start, const OptTensor& slots, const OptTensor& offsets,
+      const OptTensor& window_slots, const OptTensor& window_offsets, const OptTensor& layer_inputs,
+      std::vector<int64_t> capture) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+                "x must be a CPU float32 tensor [T, H]");
+    TORCH_CHECK(static_cast<int64_t>(k_layers.size()) == num_layers() &&
+                    static_cast<int64_t>(v_layers.size()) == num_layers(),
+                "one key and one value cache per layer");
+    const int64_t T = x.size(0);
+    std::vector<torch::Tensor> captured;
+    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
+    x = x.contiguous();
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      if (wants(i)) captured.push_back(x);
+      const Layer& L = layers_[i];
+      const torch::Tensor h = qd_api::rms_norm(x, L.norms[0], eps_);
+      std::vector<WeightSpec> proj{L.q};
+      if (L.k.has_value()) proj.push_back(*L.k);
+      if (L.v.has_value()) proj.push_back(*L.v);
+      const auto p = qd_api::linear_multi(h, proj);
+      torch::Tensor q = p[0].view({T, L.nh, L.hd}).transpose(0, 1);  // [Hq, T, D]
+      OptTensor k, v;
+      q = qd_api::rope(qd_api::rms_norm(q.contiguous(), L.q_norm, eps_), L.cos, L.sin, positions);
+      if (L.k.has_value()) {
+        const torch::Tensor kr = p[1].view({T, L.nkv, L.hd}).transpose(0, 1);
+        const torch::Tensor vr = (L.v.has_value() ? p[2] : p[1]).view({T, L.nkv, L.hd}).transpose(0, 1);
+        v = vr * at::rsqrt(vr.pow(2).mean(-1, true) + eps_);  // the weightless value norm (torch's ops)
+        k = qd_api::rope(qd_api::rms_norm(kr.contiguous(), *L.k_norm, eps_), L.cos, L.sin, positions);
+      }
+      const bool sliding = L.window > 0;
+      const auto att = qd_api::attend(q, k_layers[i], v_layers[i], start, L.window, L.scale,
+                                      sliding ? window_slots : slots, sliding ? window_offsets : offsets, k, v);
+      x = x + qd_api::rms_norm(qd_api::linear_multi(att, {L.o})[0], L.norms[1], eps_);
+      const auto gu = qd_api::linear_multi(qd_api::rms_norm(x, L.norms[2], eps_), L.gate_up);
+      const torch::Tensor m = qd_api::linear_multi(at::gelu(gu[0], "tanh") * gu[1], {L.down})[0];
+      x = x + qd_api::rms_norm(m, L.norms[3], eps_);
+      if (L.input_norm.has_value()) {
+        TORCH_CHECK(layer_inputs.has_value(), "a Gemma 4 stack with per-layer inputs needs them");
+        const torch::Tensor g = gelu_rowwise(L.input_gate(x)) * layer_inputs->select(1, i);
+        x = x + qd_api::rms_norm(L.input_proj(g), *L.input_norm, eps_);
+      }
+      x = x * L.scalar;
+    }
+    if (wants(num_layers())) captured.push_back(x);
+    return {x, captured};
+  }
+
+ private:
+  struct Layer {
+    std::vector<torch::Tensor> norms;
+    WeightSpec q;
+    std::optional<WeightSpec> k, v;
+    torch::Tensor q_norm;
+    OptTensor k_norm;
+    int64_t nh, nkv, hd, window;
+    double scale;
+    torch::Tensor cos, sin;
+    WeightSpec o;
+    std::vector<WeightSpec> gate_up;
+    WeightSpec down;
+    Proj input_gate, input_proj;
+    OptTensor input_norm;
+    torch::Tensor scalar;
+  };
+
+  // tanh-GELU of x [T, n] with each row padded to a multiple of row_lanes_ (quickdraft.models.moe.rowwise)
+  torch::Tensor gelu_rowwise(const torch::Tensor& x) const {
+    const int64_t n = x.size(-1);
+    if (n % row_lanes_ == 0) return at::gelu(x, "tanh");
+    return at::gelu(at::constant_pad_nd(x, {0, row_lanes_ - n % row_lanes_}, 0), "tanh").narrow(-1, 0, n);
+  }
+
+  std::vector<Layer> layers_;
+  double eps_;
+  int64_t row_lanes_;
+};
+
 }  // namespace
 
 void register_decode(pybind11::module& m) {
@@ -280,4 +401,19 @@ void register_decode(pybind11::module& m) {
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"), pybind11::arg("slots"),
            pybind11::arg("offsets"), pybind11::arg("capture"), pybind11::arg("parents"), pybind11::arg("start_convs"),
            pybind11::arg("start_states"), pybind11::arg("keep"));
+  pybind11::class_<Gemma4Stack>(m, "Gemma4Stack")
+      .def(pybind11::init<double, int64_t>(), pybind11::arg("eps"), pybind11::arg("row_lanes"))
+      .def("add_layer", &Gemma4Stack::add_layer, pybind11::arg("norms"), pybind11::arg("q"), pybind11::arg("k"),
+           pybind11::arg("v"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("window"), pybind11::arg("scale"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("o"), pybind11::arg("gate_up"),
+           pybind11::arg("down"), pybind11::arg("input_gate_q8"), pybind11::arg("input_gate_w"),
+           pybind11::arg("input_proj_q8"), pybind11::arg("input_proj_w"), pybind11::arg("input_norm"),
+           pybind11::arg("scalar"))
+      .def("num_layers", &Gemma4Stack::num_layers)
+      .def("run", &Gemma4Stack::run, "(hidden [T, H], captured layer inputs) for one pass",
+           pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("k_layers"), pybind11::arg("v_layers"), pybind11::arg("start"), pybind11::arg("slots"),
+           pybind11::arg("offsets"), pybind11::arg("window_slots"), pybind11::arg("window_offsets"),
+           pybind11::arg("layer_inputs"), pybind11::arg("capture"));
 }

@@ -22,7 +22,7 @@ What differs from Gemma 3 (``gemma3.py``), all as in transformers' ``modeling_ge
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,15 @@ from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import FULL, GGUF_NORM_NAMES, SLIDING, GemmaMLP, is_sliding
 from quickdraft.models.layers import Attention, Rope, embedding, linear_group
 from quickdraft.models.moe import (
+    ROW_LANES,
     check_moe_config,
     convert_expert_layouts,
     mix_experts,
     route,
     rowwise,
 )
+from quickdraft.models.native import WeightSpec, weight_spec
+from quickdraft.quant.ggml import active_kernels
 
 CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
 CHECKPOINT_SKIP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
@@ -434,12 +437,95 @@ class _Backbone(nn.Module):
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
 
 
+class Gemma4Stack:
+    """Every layer of a pass in one native call (the kernels' ``Gemma4Stack``: bitwise the Python layers)."""
+
+    def __init__(self, native: Any, window: int | None) -> None:
+        self.native, self.window = native, window  # window: the sliding layers'
+
+    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = step.cache.attention
+        slots, offsets = step.flat_slots(None)
+        window_slots, window_offsets = step.flat_slots(self.window) if self.window else (None, None)
+        return self.native.run(x, step.positions, cache.k_layers, cache.v_layers, step.start, slots, offsets,
+                               window_slots, window_offsets, step.layer_inputs, list(capture))
+
+
+def build_stack(modules: nn.ModuleList) -> Gemma4Stack | None:
+    """Gemma 4's native stack for these layers, or None where it does not apply: no routed experts,
+    every attention and MLP matrix a q8 GGML block (the per-layer input projections may be float32),
+    fp32 norms and RoPE tables."""
+    mod = active_kernels()
+    layers = [m for m in modules if isinstance(m, DecoderLayer)]
+    if mod is None or not layers or len(layers) != len(modules):
+        return None
+    eps = layers[0].input_layernorm.eps
+
+    def fp32(*ts: torch.Tensor) -> bool:
+        return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
+
+    def norm_ok(*ns: nn.Module | None) -> bool:
+        return all(type(n) is RMSNorm and n.eps == eps and fp32(n.weight) for n in ns)
+
+    def q8(m: nn.Module | None) -> WeightSpec | None:
+        return None if m is None else weight_spec(m)
+
+    def float_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear, as blocked_linear runs it
+        if type(m) is not Linear or m.bias is not None or not fp32(m.weight) or 1 < m.out_features < 4:
+            return None
+        return m.weight.detach()
+
+    stack = mod.Gemma4Stack(float(eps), ROW_LANES)
+    windows = set()
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm]
+        if layer.router is not None or type(a) is not Gemma4Attention or type(mlp) is not GemmaMLP \
+                or a.q_norm is None or not norm_ok(*norms, a.q_norm) or not a.native or a.hd % 8 or type(a.v_norm) is not PlainRMSNorm \
+                or a.v_norm.eps != eps or not fp32(a.rope.cos, layer.layer_scalar):
+            return None
+        k = v = None
+        if not a.reuses_kv:
+            k = q8(a.k_proj)
+            if k is None or not norm_ok(a.k_norm):
+                return None
+            if not a.values_are_keys and (v := q8(a.v_proj)) is None:
+                return None
+        q, o, gate_up, down = q8(a.q_proj), q8(a.o_proj), [q8(mlp.gate_proj), q8(mlp.up_proj)], q8(mlp.down_proj)
+        if q is None or o is None or down is None or gate_up[0] is None or gate_up[1] is None:
+            return None
+        gate_q8 = gate_w = proj_q8 = proj_w = input_norm = None
+        if layer.per_layer_input_gate is not None:
+            if not norm_ok(layer.post_per_layer_input_norm):
+                return None
+            gate_q8, proj_q8 = q8(layer.per_layer_input_gate), q8(layer.per_layer_projection)
+            gate_w = None if gate_q8 is not None else float_rows(layer.per_layer_input_gate)
+            proj_w = None if proj_q8 is not None else float_rows(layer.per_layer_projection)
+            if (gate_q8 is None and gate_w is None) or (proj_q8 is None and proj_w is None):
+                return None
+            input_norm = layer.post_per_layer_input_norm.weight.detach()
+        if a.window:
+            windows.add(a.window)
+        stack.add_layer(
+            [n.weight.detach() for n in norms], q, k, v, a.q_norm.weight.detach(),
+            None if a.k_norm is None else a.k_norm.weight.detach(), a.nh, a.nkv, a.hd, a.window or 0, float(a.scale),
+            a.rope.cos.contiguous(), a.rope.sin.contiguous(), o, gate_up, down, gate_q8, gate_w, proj_q8, proj_w,
+            input_norm, layer.layer_scalar.detach())
+    if len(windows) > 1:
+        return None
+    return Gemma4Stack(stack, next(iter(windows), None))
+
+
 class CausalLM(gemma3.CausalLM):
     """``model(ids, cache) -> (logits, captured)``, the interface of :class:`causal_lm.CausalLM`
     (Gemma 3's scaled embedding and soft-capped head)."""
 
     backbone = _Backbone
     converts_checkpoint = True
+
+    def native_stack(self) -> Gemma4Stack | None:
+        return build_stack(self.model.layers)
 
     def make_cache(self, max_len: int) -> SequenceCache:
         return KVCache(0, 0, 0, max_len, self.kv_dtype or self.dtype, self.device, layout=kv_layout(self.config))
