@@ -102,6 +102,51 @@ def test_attend_chain_window_and_tree(d):
 
 
 @requires_kernels
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+def test_attend_with_sinks_is_sink_attention_and_row_invariant(cache):
+    """GPT-OSS's sinks: each row's softmax over its slots and one more key of value zero scored by
+    its head's sink equals SinkAttention's torch formula (chain rows, a window, tree rows, 1-17 rows
+    blocked or not), a row alone is bitwise the same row in the pass, and very negative sinks give
+    plain attention."""
+    from quickdraft.models.gpt_oss import SinkAttention
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, start, t = 8, 2, 64, 40, 17
+    k = torch.randn(hkv, start + t, d, generator=g).to(getattr(torch, cache))
+    v = torch.randn(hkv, start + t, d, generator=g).to(getattr(torch, cache))
+    q = torch.randn(hq, t, d, generator=g)
+    sinks = torch.randn(hq, generator=g) * 3
+    layer = SinkAttention.__new__(SinkAttention)  # (its sdpa reads nh, nkv, scale and sinks only)
+    torch.nn.Module.__init__(layer)
+    layer.nh, layer.nkv, layer.scale, layer.sinks = hq, hkv, 1 / math.sqrt(d), torch.nn.Parameter(sinks)
+    ops = _ops()
+    for window in (0, 9):
+        out = ops.attend(q, k, v, start, window, layer.scale, None, None, None, None, sinks)
+        for i in range(t):
+            end = start + i + 1
+            lo = max(0, end - window) if window else 0
+            with torch.no_grad():
+                ref = layer.sdpa(q[:, i : i + 1], k[:, lo:end].float(), v[:, lo:end].float(), None)[:, 0]
+            torch.testing.assert_close(out[i].view(hq, d), ref, rtol=1e-5, atol=1e-6)
+            alone = ops.attend(q[:, i : i + 1], k[:, :end], v[:, :end], end - 1, window, layer.scale, None, None,
+                               None, None, sinks)
+            assert torch.equal(alone[0], out[i])
+    rows = [torch.arange(start + 1), torch.cat([torch.arange(start), torch.tensor([start + 2])])]
+    flat = torch.cat(rows)
+    offsets = torch.tensor([0, len(rows[0]), len(rows[0]) + len(rows[1])])
+    tree = ops.attend(q[:, :2], k, v, start, 0, layer.scale, flat, offsets, None, None, sinks)
+    for i, r in enumerate(rows):
+        with torch.no_grad():
+            ref = layer.sdpa(q[:, i : i + 1], k[:, r].float(), v[:, r].float(), None)[:, 0]
+        torch.testing.assert_close(tree[i].view(hq, d), ref, rtol=1e-5, atol=1e-6)
+    plain = ops.attend(q, k, v, start, 0, layer.scale, None, None)
+    gone = ops.attend(q, k, v, start, 0, layer.scale, None, None, None, None, torch.full((hq,), -1e30))
+    assert torch.equal(plain, gone)
+    with pytest.raises(RuntimeError, match="sinks must be"):
+        ops.attend(q, k, v, start, 0, layer.scale, None, None, None, None, torch.zeros(hq - 1))
+
+
+@requires_kernels
 def test_attend_rejects_bad_input():
     ops = _ops()
     q, k = torch.randn(4, 2, 16), torch.randn(2, 10, 16)

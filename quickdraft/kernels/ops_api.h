@@ -41,7 +41,8 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
                      int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
                      const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
-                     const c10::optional<torch::Tensor>& v_new);
+                     const c10::optional<torch::Tensor>& v_new,
+                     const c10::optional<torch::Tensor>& sinks = c10::nullopt);  // [Hq]: GPT-OSS's sink logits
 
 // delta_cpu.cpp: Gated DeltaNet rows -> [out [T, Hv*Dv], T windows, T states] (undefined where keep is false)
 std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,

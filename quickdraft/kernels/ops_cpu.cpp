@@ -9,7 +9,8 @@
 //   rope:     y[d] = x[d] * cos[p, d] + rot[d] * sin[p, d],  rot = [-x[D/2:], x[:D/2]]
 //   attend:   softmax(q . k_j * scale) . v_j over the cache slots each query row may see (decode
 //             and verification rows: a chain's causal prefix, a sliding window, or a tree row's
-//             listed slots), written straight into [T, heads * D] for the output projection.
+//             listed slots), written straight into [T, heads * D] for the output projection;
+//             with sinks (GPT-OSS), each head's sink logit joins the softmax as a key of value zero.
 // Every row is computed on its own with one fixed sequence of float operations, so a row's result
 // does not depend on the other rows of the call (batch invariance, as in the GEMMs). For attention
 // this also means a tree row, which sees prefix + ancestors + itself, gets bitwise the result plain
@@ -237,8 +238,9 @@ inline void accumulate_values(const KV* vb, int64_t vs1, const int64_t* idx, int
 }
 
 // softmax(p) in place (p_j = exp(s_j - max), summed in a fixed order: 8 lanes, then the lanes, then
-// the tail); returns 1 / sum.
-inline float softmax_inplace(float* p, int64_t n) {
+// the tail); returns 1 / sum. sink (GPT-OSS's learned sink logit of the head, or null): one more
+// score, of a key whose value is zero, in the max and last in the sum.
+inline float softmax_inplace(float* p, int64_t n, const float* sink) {
   // the max, 8 lanes at a time (a max is exact in any order; max_ps(p, m) keeps m where p is NaN,
   // as std::max(m, p) does, so NaN scores are skipped alike)
   __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -249,6 +251,7 @@ inline float softmax_inplace(float* p, int64_t n) {
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   float m = _mm_cvtss_f32(m4);
   for (; jj < n; ++jj) m = std::max(m, p[jj]);
+  if (sink != nullptr) m = std::max(m, *sink);
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sum8 = _mm256_setzero_ps();
   int64_t j = 0;
@@ -267,17 +270,19 @@ inline float softmax_inplace(float* p, int64_t n) {
       sum += p[r];
     }
   }
+  if (sink != nullptr) sum += std::exp(*sink - m);
   return 1.0f / sum;
 }
 
 template <int NH, typename KV>
 void attend_heads_n(const float* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
-                    const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y) {
+                    const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y,
+                    const float* sk) {
   int64_t j0 = 0;
   for (; j0 + KEYS <= n; j0 += KEYS) scores<NH, KEYS>(qr, kb, ks1, idx, j0, nv, sc, ps);
   for (; j0 < n; ++j0) scores<NH, 1>(qr, kb, ks1, idx, j0, nv, sc, ps);
   float inv[NH];
-  UNROLL for (int g = 0; g < NH; ++g) inv[g] = softmax_inplace(ps[g], n);
+  UNROLL for (int g = 0; g < NH; ++g) inv[g] = softmax_inplace(ps[g], n, sk ? sk + g : nullptr);
   int64_t c = 0;
   for (; c + 2 <= nv; c += 2) weighted_values<NH, 2>(vb, vs1, idx, n, c, ps, inv, y);
   if (c < nv) weighted_values<NH, 1>(vb, vs1, idx, n, c, ps, inv, y);
@@ -313,7 +318,8 @@ constexpr Iota IOTA{};
 template <int NH, typename KV>
 void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
                     const int64_t* const* idx, const int64_t* n, int64_t nv, float sc, float* const* const* ps,
-                    float* const* const* acc, float* const* const* y, bool dense, float* kt, float* vt) {
+                    float* const* const* acc, float* const* const* y, bool dense, float* kt, float* vt,
+                    const float* sk) {
   constexpr bool HALF = !std::is_same_v<KV, float>;  // a 16-bit or q8_0 cache: tiles are widened
   const int64_t D = 8 * nv;
   int64_t most = 0;
@@ -340,7 +346,7 @@ void attend_block_n(int nr, const float* const* const* qr, const KV* kb, int64_t
   }
   float inv[HEADS * 64];
   for (int r = 0; r < nr; ++r) {
-    UNROLL for (int g = 0; g < NH; ++g) inv[r * HEADS + g] = softmax_inplace(ps[r][g], n[r]);
+    UNROLL for (int g = 0; g < NH; ++g) inv[r * HEADS + g] = softmax_inplace(ps[r][g], n[r], sk ? sk + g : nullptr);
     for (int g = 0; g < NH; ++g) std::fill(acc[r][g], acc[r][g] + 8 * nv, 0.0f);
   }
   for (int64_t t0 = 0; t0 < most; t0 += KEY_TILE) {
@@ -373,28 +379,29 @@ template <typename KV>
 inline void attend_block(int nh, int nr, const float* const* const* qr, const KV* kb, int64_t ks1, const KV* vb,
                          int64_t vs1, const int64_t* const* idx, const int64_t* n, int64_t nv, float sc,
                          float* const* const* ps, float* const* const* acc, float* const* const* y, bool dense,
-                         float* kt, float* vt) {
+                         float* kt, float* vt, const float* sk) {
   switch (nh) {
-    case 1: attend_block_n<1>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
-    case 2: attend_block_n<2>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
-    case 3: attend_block_n<3>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
-    case 4: attend_block_n<4>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
-    case 5: attend_block_n<5>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
-    default: attend_block_n<6>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt); break;
+    case 1: attend_block_n<1>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt, sk); break;
+    case 2: attend_block_n<2>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt, sk); break;
+    case 3: attend_block_n<3>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt, sk); break;
+    case 4: attend_block_n<4>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt, sk); break;
+    case 5: attend_block_n<5>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt, sk); break;
+    default: attend_block_n<6>(nr, qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, acc, y, dense, kt, vt, sk); break;
   }
 }
 
 // Attention of nh (<= HEADS) query heads of one row over the n slots idx of their kv head.
 template <typename KV>
 inline void attend_heads(int nh, const float* const* qr, const KV* kb, int64_t ks1, const KV* vb, int64_t vs1,
-                         const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y) {
+                         const int64_t* idx, int64_t n, int64_t nv, float sc, float* const* ps, float* const* y,
+                         const float* sk) {
   switch (nh) {
-    case 1: attend_heads_n<1>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
-    case 2: attend_heads_n<2>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
-    case 3: attend_heads_n<3>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
-    case 4: attend_heads_n<4>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
-    case 5: attend_heads_n<5>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
-    default: attend_heads_n<6>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y); break;
+    case 1: attend_heads_n<1>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y, sk); break;
+    case 2: attend_heads_n<2>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y, sk); break;
+    case 3: attend_heads_n<3>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y, sk); break;
+    case 4: attend_heads_n<4>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y, sk); break;
+    case 5: attend_heads_n<5>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y, sk); break;
+    default: attend_heads_n<6>(qr, kb, ks1, vb, vs1, idx, n, nv, sc, ps, y, sk); break;
   }
 }
 
@@ -430,7 +437,7 @@ inline void store_row(Q8Block* dst, const float* src, int64_t D) {
 // The rows' attention over a cache of element type KV (float, or fp16 bits as uint16_t).
 template <typename KV>
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, int64_t window,
-                 float sc, bool tree, const int64_t* sp, const int64_t* op, torch::Tensor& out) {
+                 float sc, bool tree, const int64_t* sp, const int64_t* op, const float* sinks, torch::Tensor& out) {
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0);
   const float* qp = q.data_ptr<float>();
   const KV* kp = static_cast<const KV*>(k.data_ptr());
@@ -508,12 +515,13 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
           ++live;
         }
         if (live == 1) {  // one row (a decode step): no tiles needed
-          attend_heads<KV>(nh, qr_r[0], kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r[0], nl[0], nv, sc, ps[0], y[0]);
+          attend_heads<KV>(nh, qr_r[0], kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r[0], nl[0], nv, sc, ps[0], y[0],
+                           sinks ? sinks + h0 : nullptr);
         } else if (live > 1) {
           const bool dense = !tree && window <= 0;
           if (dense && tiles.empty()) tiles.resize(2 * KEY_TILE * D);
           attend_block<KV>(nh, live, qr_r, kp + kh * ks0, ks1, vp + kh * vs0, vs1, idx_r, nl, nv, sc, ps_r, ac_r, y_r,
-                           dense, tiles.data(), tiles.data() + KEY_TILE * D);
+                           dense, tiles.data(), tiles.data() + KEY_TILE * D, sinks ? sinks + h0 : nullptr);
         }
       }
     }
@@ -546,7 +554,7 @@ void write_rows(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& kn, con
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
                      int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
                      const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
-                     const c10::optional<torch::Tensor>& v_new) {
+                     const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& sinks) {
   auto f32_3d = [](const torch::Tensor& t) {
     return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1;
   };
@@ -600,15 +608,23 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   } else {
     TORCH_CHECK(start >= 0 && start + T <= S, "rows reach past the keys");
   }
+  const float* sk = nullptr;
+  torch::Tensor sinks_c;
+  if (sinks.has_value() && sinks->defined()) {
+    sinks_c = sinks->contiguous();
+    TORCH_CHECK(sinks_c.device().is_cpu() && sinks_c.scalar_type() == torch::kFloat32 && sinks_c.numel() == Hq,
+                "sinks must be a CPU float32 tensor [query heads]");
+    sk = sinks_c.data_ptr<float>();
+  }
   auto out = torch::empty({T, Hq * D}, q.options());
   // the rows see slots below S only (the new keys' end when writing)
   const torch::Tensor kr = k.narrow(1, 0, S), vr = v.narrow(1, 0, S);
   if (q8)
-    attend_rows<Q8Block>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
+    attend_rows<Q8Block>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, sk, out);
   else if (half)
-    attend_rows<uint16_t>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
+    attend_rows<uint16_t>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, sk, out);
   else
-    attend_rows<float>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, out);
+    attend_rows<float>(q, kr, vr, start, window, static_cast<float>(scale), tree, sp, op, sk, out);
   return out;
 }
 
@@ -624,8 +640,8 @@ torch::Tensor qd_api::rope(const torch::Tensor& x, const torch::Tensor& cos, con
 torch::Tensor qd_api::attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
                              int64_t window, double scale, const c10::optional<torch::Tensor>& slots,
                              const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& k_new,
-                             const c10::optional<torch::Tensor>& v_new) {
-  return ::attend(q, k, v, start, window, scale, slots, offsets, k_new, v_new);
+                             const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& sinks) {
+  return ::attend(q, k, v, start, window, scale, slots, offsets, k_new, v_new, sinks);
 }
 
 // Streaming-read bandwidth of this machine: nthreads threads each read their share of a buffer of
@@ -681,5 +697,6 @@ void register_ops(pybind11::module& m) {
         "softmax attention of query rows q [Hq, T, D] over the cache slots each may see -> [T, Hq * D]",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("window"),
         pybind11::arg("scale"), pybind11::arg("slots") = pybind11::none(), pybind11::arg("offsets") = pybind11::none(),
-        pybind11::arg("k_new") = pybind11::none(), pybind11::arg("v_new") = pybind11::none());
+        pybind11::arg("k_new") = pybind11::none(), pybind11::arg("v_new") = pybind11::none(),
+        pybind11::arg("sinks") = pybind11::none());
 }

@@ -75,6 +75,9 @@ class AttentionLayer(Protocol):
     chunk: int | None  # chunked attention: a row sees the earlier positions of its chunk only
     native: bool  # the native fused kernel computes this layer's attention
 
+    def sink_logits(self) -> torch.Tensor | None:
+        """[Hq] a learned sink logit per head (GPT-OSS: a key of value zero in each softmax), or None."""
+
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of q ``[Hq, T, D]`` over k, v ``[Hkv, S, D]`` under ``mask`` [T, S] -> ``[Hq, T, D]``."""
 
@@ -185,7 +188,7 @@ class NativeFused:
         slots, offsets = step.flat_slots(layer.window)
         return self.ops.attend(
             q, cache.k_layers[index], cache.v_layers[index], step.start, layer.window or 0, layer.scale,
-            slots, offsets, k, v,
+            slots, offsets, k, v, layer.sink_logits(),
         )  # [T, Hq * D]
 
 

@@ -123,16 +123,17 @@ def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
 
 
 class SinkAttention(Attention):
-    """Attention with biases and one learned sink logit per head, computed by torch (the native
-    kernels have no sinks): each row's softmax runs over its visible keys plus a zero key whose
-    score is the sink and whose value is zero."""
-
-    native = False
+    """Attention with biases and one learned sink logit per head: each row's softmax runs over its
+    visible keys plus a key whose score is the sink and whose value is zero (the native kernel's
+    ``sinks``; :meth:`sdpa` where torch attends: CUDA, bf16, long passes)."""
 
     def __init__(self, cfg: ModelConfig, rope: Rope, window: int | None) -> None:
         super().__init__(cfg, rope, window=window)
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(self.nh))
+
+    def sink_logits(self) -> torch.Tensor:
+        return self.sinks
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         k, v = k.to(q.dtype), v.to(q.dtype)

@@ -252,6 +252,10 @@ class Attention(nn.Module):
         q, k = self.encode_positions(q, k, step)
         return step.backend(q).attend(self, q, k, v, layer, step)
 
+    def sink_logits(self) -> torch.Tensor | None:
+        """A learned sink logit per head (a family with sinks overrides this); None: no sinks."""
+        return None
+
     def encode_positions(
         self, q: torch.Tensor, k: torch.Tensor | None, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
