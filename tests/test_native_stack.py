@@ -12,12 +12,20 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from helpers import generate
-from tiny import GEMMA4_MOE, gemma4_to_gguf, hf_to_gguf, make_tiny_hf_model, qwen3_5_to_gguf
+from tiny import (
+    GEMMA4_MOE,
+    gemma4_to_gguf,
+    gpt_oss_to_gguf,
+    hf_to_gguf,
+    make_tiny_hf_model,
+    qwen3_5_to_gguf,
+)
 
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.gemma4 import Gemma4Stack
+from quickdraft.models.gpt_oss import GptOssStack
 from quickdraft.models.native import DenseStack
 from quickdraft.models.qwen3_5 import HybridStack
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
@@ -342,13 +350,75 @@ def test_hybrid_decoding_and_speculation_are_the_python_layers_tokens(hybrid: Lo
     assert got.ids == truth
 
 
-def test_hybrid_stack_steps_aside_for_experts_and_float_weights(root: Path) -> None:
+@pytest.fixture(scope="module")
+def hybrid_moe(root: Path) -> LoadedModel:
+    """Tiny Qwen3.5-MoE (four routed experts, top 2, renormalised; a shared expert with its sigmoid
+    gate; the router and the shared gate float32) with every matrix Q8_0."""
+    moe = make_tiny_hf_model(root, "qwen3_5_moe_text", seed=7, name="hybrid-moe-native")
+    qtypes = HYBRID_Q8 | {"exps.weight": "Q8_0", "shexp.weight": "Q8_0"}
+    return load_model(str(qwen3_5_to_gguf(moe, root / "moe-native.gguf", qtypes)), dtype="auto", max_context=256)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 70])
+def test_hybrid_moe_rows_bitwise_equal_python(hybrid_moe: LoadedModel, rows: int) -> None:
+    """Routed experts in the hybrid stack: each chosen expert once over its rows, outputs summed in
+    rank order, the shared expert and its gate, bitwise the Python layers (chains and a tree)."""
+    ids = [(13 * i + 5) % 250 + 3 for i in range(rows)]
+    assert_hybrid_same(*hybrid_paths(hybrid_moe.model, PROMPT, ids, capture=[1]))
+    mask, pos = tree_mask(len(PROMPT), [-1, 0, 0, 1, 2])
+    assert_hybrid_same(*hybrid_paths(hybrid_moe.model, PROMPT, [9, 30, 31, 40, 41], mask=mask, positions=pos))
+
+
+def test_hybrid_stack_steps_aside_for_float_experts_and_weights(root: Path) -> None:
     x = torch.zeros(1, 1)
     moe = make_tiny_hf_model(root, "qwen3_5_moe_text", seed=7, name="hybrid-moe-native")
-    q8 = load_model(str(qwen3_5_to_gguf(moe, root / "moe-native.gguf", HYBRID_Q8)), dtype="auto", max_context=256)
-    assert torch.inference_mode()(q8.model._native.get)(x) is None  # routed experts: the Python layers
+    q8 = load_model(str(qwen3_5_to_gguf(moe, root / "moe-float-experts.gguf", HYBRID_Q8)), dtype="auto",
+                    max_context=256)
+    assert torch.inference_mode()(q8.model._native.get)(x) is None  # float32 experts: the Python layers
     fp32 = load_model(str(make_tiny_hf_model(root, "qwen3_5_text", seed=7, name="hybrid-fp32")), dtype="float32")
     assert torch.inference_mode()(fp32.model._native.get)(x) is None  # no GGML blocks
+
+
+# ------------------------------------------------------------------- GPT-OSS's stack
+
+
+@pytest.fixture(scope="module", params=["MXFP4", "Q8_0"])
+def gpt_oss(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+    """Tiny GPT-OSS (sinks, a window of 5 on alternate layers, YaRN, four experts with biases, top 2)
+    with q/k/v/o Q8_0 and its experts MXFP4 (as released) or Q8_0; the router float32."""
+    folder = make_tiny_hf_model(root, "gpt_oss", seed=6, name="gpt-oss-native")
+    qtypes = {n: "Q8_0" for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")}
+    path = gpt_oss_to_gguf(folder, root / f"gpt-oss-{request.param}.gguf", qtypes | {"exps.weight": request.param})
+    return load_model(str(path), dtype="auto", max_context=256)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+def test_gpt_oss_chain_rows_bitwise_equal_python(gpt_oss: LoadedModel, rows: int) -> None:
+    model = gpt_oss.model
+    with torch.inference_mode():
+        assert isinstance(model._native.get(torch.zeros(1, 1)), GptOssStack)  # it applies here
+    ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
+    native, python = gemma4_paths(model, PROMPT, ids, capture=[0, 2], stack=GptOssStack)
+    assert_gemma4_same(native, python)
+
+
+def test_gpt_oss_tree_rows_bitwise_equal_python(gpt_oss: LoadedModel) -> None:
+    """A tree deeper than the window (5): the sliding layers see each row's own window, sinks included."""
+    mask, pos = tree_mask(len(PROMPT), [-1, 0, 1, 2, 3, 4, 5, 1, 7])
+    native, python = gemma4_paths(gpt_oss.model, PROMPT, [9, 30, 31, 40, 41, 50, 60, 70, 80], mask=mask,
+                                  positions=pos, stack=GptOssStack)
+    assert_gemma4_same(native, python)
+
+
+def test_gpt_oss_decoding_and_speculation_are_the_python_layers_tokens(gpt_oss: LoadedModel) -> None:
+    model = gpt_oss.model
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
+    truth = generate(gpt_oss, prompt, max_tokens=20, ignore_eos=True).ids
+    assert isinstance(model._native._stack, GptOssStack)
+    with python_path(model):
+        assert generate(gpt_oss, prompt, max_tokens=20, ignore_eos=True).ids == truth
+    got = generate(gpt_oss, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
+    assert got.ids == truth
 
 
 # ------------------------------------------------------------------- Gemma 4's stack
@@ -368,16 +438,16 @@ def gemma4(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
     return load_model(str(path), dtype="auto", max_context=256)
 
 
-def gemma4_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
+def gemma4_paths(model: CausalLM, prompt: list[int], ids: list[int], stack: type = Gemma4Stack, **kw):  # noqa: ANN003, ANN201
     """(native, python): logits, captured, and every layer's keys and values after one pass over
-    ``ids`` after ``prompt``."""
+    ``ids`` after ``prompt`` (a model whose cache has per-layer views: Gemma 4's, GPT-OSS's)."""
     out = []
     for native in (True, False):
         cache = model.new_cache()
         model(torch.tensor(prompt), cache)
         if native:
             logits, captured = model(torch.tensor(ids), cache, **kw)
-            assert isinstance(model._native._stack, Gemma4Stack)  # the pass ran natively
+            assert isinstance(model._native._stack, stack)  # the pass ran natively
         else:
             with python_path(model):
                 logits, captured = model(torch.tensor(ids), cache, **kw)

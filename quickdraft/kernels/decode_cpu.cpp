@@ -98,20 +98,122 @@ class DecoderStack {
 // A float32 linear (weight [N, K], no bias) as quickdraft.models.batch_invariance.blocked_linear
 // computes it for passes of up to NATIVE_CHAIN_ROWS rows: blocks of kRowBlock rows, zero-padded.
 constexpr int64_t kRowBlock = 8;
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w) {
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w, const OptTensor& b = c10::nullopt) {
   const int64_t T = x.size(0), pad = (kRowBlock - T % kRowBlock) % kRowBlock;
   const torch::Tensor xp = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
   std::vector<torch::Tensor> blocks;
-  for (int64_t i = 0; i < T + pad; i += kRowBlock) blocks.push_back(at::linear(xp.narrow(0, i, kRowBlock), w));
+  for (int64_t i = 0; i < T + pad; i += kRowBlock) blocks.push_back(at::linear(xp.narrow(0, i, kRowBlock), w, b));
   return (blocks.size() > 1 ? at::cat(blocks) : blocks[0]).narrow(0, 0, T);
 }
 
 // A projection the Python layer runs either as a q8 GGML block matrix or as a float32 Linear.
 struct Proj {
   std::optional<WeightSpec> q8;
-  OptTensor w;
+  OptTensor w, b;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return q8.has_value() ? qd_api::linear_multi(x, {*q8})[0] : blocked_linear(x, *w);
+    return q8.has_value() ? qd_api::linear_multi(x, {*q8})[0] : blocked_linear(x, *w, b);
+  }
+};
+
+// An element-wise function of x [T, n] with each row padded to a multiple of lanes
+// (quickdraft.models.moe.rowwise: torch's vectorised path for every element at any T).
+template <class F>
+torch::Tensor rowwise(const torch::Tensor& x, int64_t lanes, F&& f) {
+  const int64_t n = x.size(-1);
+  if (n % lanes == 0) return f(x);
+  return f(at::constant_pad_nd(x, {0, lanes - n % lanes}, 0)).narrow(-1, 0, n);
+}
+
+// Routed experts (quickdraft.models.moe.SparseMoE: the router, its top k, each chosen expert once
+// over its rows in grouped GEMM calls, outputs summed per row in rank order) and an optional shared
+// expert with its sigmoid gate, in the same torch ops and kernels: bitwise the Python block.
+struct ExpertBlock {
+  Proj router;
+  int64_t routing;  // 0: softmax then top k (renormalised or not), 1: top k then softmax
+  bool renormalize;
+  int64_t top_k;
+  std::vector<std::vector<WeightSpec>> experts;  // [gate, up, down] each
+  int64_t activation;  // 0: silu(gate) * up; 1: GPT-OSS's clamped swiglu (alpha, limit)
+  double alpha, limit;
+  int64_t row_lanes;
+  std::vector<WeightSpec> shared;  // [gate, up, down] or empty
+  Proj shared_gate;                // (used where shared_gate.w or .q8 is set)
+
+  torch::Tensor activate(const torch::Tensor& gate, const torch::Tensor& up) const {
+    if (activation == 0) return at::silu(gate) * up;
+    const torch::Tensor g = at::clamp(gate, c10::nullopt, limit);
+    const torch::Tensor u = at::clamp(up, -limit, limit);
+    return (u + 1) * (g * rowwise(g * alpha, row_lanes, [](const torch::Tensor& t) { return at::sigmoid(t); }));
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    const int64_t T = x.size(0), H = x.size(1), k = top_k;
+    const torch::Tensor logits = router(x);
+    torch::Tensor weights, chosen;
+    if (routing == 0) {
+      std::tie(weights, chosen) = at::topk(at::softmax(logits, -1), k, -1);
+      if (renormalize) weights = weights / weights.sum(-1, true);
+    } else {
+      torch::Tensor top;
+      std::tie(top, chosen) = at::topk(logits, k, -1);
+      weights = at::softmax(top, -1);
+    }
+    // each chosen expert's slots (row * k + rank), experts in the order they first appear
+    const auto ch = chosen.contiguous();
+    const int64_t* cp = ch.data_ptr<int64_t>();
+    std::vector<int64_t> group_of(experts.size(), -1), expert_of;
+    std::vector<std::vector<int64_t>> slots;
+    for (int64_t s = 0; s < T * k; ++s) {
+      const int64_t e = cp[s];
+      TORCH_CHECK(e >= 0 && e < static_cast<int64_t>(experts.size()), "router chose expert ", e);
+      if (group_of[e] < 0) {
+        group_of[e] = static_cast<int64_t>(expert_of.size());
+        expert_of.push_back(e);
+        slots.emplace_back();
+      }
+      slots[group_of[e]].push_back(s);
+    }
+    const int64_t G = static_cast<int64_t>(expert_of.size());
+    std::vector<int64_t> counts, order, src;
+    for (const auto& g : slots) {
+      counts.push_back(static_cast<int64_t>(g.size()));
+      for (int64_t s : g) {
+        order.push_back(s);
+        src.push_back(s / k);
+      }
+    }
+    const torch::Tensor rows = x.index_select(0, torch::tensor(src, torch::kInt64));
+    std::vector<WeightSpec> in_specs, down_specs;
+    std::vector<int64_t> in_groups, down_groups;
+    for (int64_t g = 0; g < G; ++g) {
+      const auto& ex = experts[expert_of[g]];
+      in_specs.push_back(ex[0]);
+      in_specs.push_back(ex[1]);
+      in_groups.insert(in_groups.end(), {g, g});
+      down_specs.push_back(ex[2]);
+      down_groups.push_back(g);
+    }
+    const auto in = qd_api::linear_grouped(rows.contiguous(), counts, in_specs, in_groups);
+    std::vector<torch::Tensor> gates, ups;
+    for (int64_t g = 0; g < G; ++g) {
+      gates.push_back(in[2 * g]);
+      ups.push_back(in[2 * g + 1]);
+    }
+    const torch::Tensor hidden = activate(at::cat(gates), at::cat(ups));
+    const auto down = qd_api::linear_grouped(hidden.contiguous(), counts, down_specs, down_groups);
+    torch::Tensor ys = x.new_empty({T * k, H});
+    ys.index_copy_(0, torch::tensor(order, torch::kInt64), at::cat(down));
+    ys = ys.view({T, k, H});
+    torch::Tensor out = ys.select(1, 0) * weights.narrow(1, 0, 1);
+    for (int64_t r = 1; r < k; ++r) out = out + ys.select(1, r) * weights.narrow(1, r, 1);
+    if (!shared.empty()) {
+      const auto gu = qd_api::linear_multi(x, {shared[0], shared[1]});
+      torch::Tensor sh = qd_api::linear_multi(at::silu(gu[0]) * gu[1], {shared[2]})[0];
+      if (shared_gate.q8.has_value() || shared_gate.w.has_value())
+        sh = rowwise(shared_gate(x), row_lanes, [](const torch::Tensor& t) { return at::sigmoid(t); }) * sh;
+      out = out + sh;
+    }
+    return out;
   }
 };
 
@@ -133,10 +235,12 @@ class HybridStack {
   void add_delta(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<WeightSpec> proj, OptTensor b_w,
                  OptTensor a_w, torch::Tensor conv_w, torch::Tensor a_log, torch::Tensor dt_bias, torch::Tensor norm_w,
                  double norm_eps, int64_t nk, int64_t dk, int64_t nv, int64_t dv, bool tiled, WeightSpec out,
-                 std::vector<WeightSpec> gate_up, WeightSpec down) {
+                 std::vector<WeightSpec> gate_up, std::optional<WeightSpec> down, std::optional<ExpertBlock> experts) {
     TORCH_CHECK(proj.size() == 4 || (proj.size() == 2 && b_w.has_value() && a_w.has_value()),
                 "a Gated DeltaNet layer takes [qkv, z, b, a] blocks or [qkv, z] and float32 b / a");
+    TORCH_CHECK(experts.has_value() || down.has_value(), "a layer has a dense MLP or routed experts");
     kinds_.push_back(static_cast<int64_t>(deltas_.size()));
+    experts_.push_back(std::move(experts));
     deltas_.push_back({std::move(in_norm), std::move(post_norm), std::move(proj), std::move(b_w), std::move(a_w),
                        std::move(conv_w), std::move(a_log), std::move(dt_bias), std::move(norm_w), norm_eps, nk, dk, nv,
                        dv, tiled, std::move(out), std::move(gate_up), std::move(down)});
@@ -144,8 +248,11 @@ class HybridStack {
 
   // A gated full-attention layer: qkv [q and its gate (2 x heads x D), k, v].
   void add_attention(torch::Tensor in_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
-                     std::vector<WeightSpec> qkv, WeightSpec o, std::vector<WeightSpec> gate_up, WeightSpec down) {
+                     std::vector<WeightSpec> qkv, WeightSpec o, std::vector<WeightSpec> gate_up,
+                     std::optional<WeightSpec> down, std::optional<ExpertBlock> experts) {
+    TORCH_CHECK(experts.has_value() || down.has_value(), "a layer has a dense MLP or routed experts");
     kinds_.push_back(-1 - static_cast<int64_t>(attns_.size()));
+    experts_.push_back(std::move(experts));
     attns_.push_back({std::move(in_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), std::move(qkv),
                       std::move(o), std::move(gate_up), std::move(down)});
   }
@@ -208,11 +315,16 @@ class HybridStack {
                                         scale_, slots, offsets, k, v);
         x = qd_api::linear_multi(att * at::sigmoid(gate), {a.o}, x)[0];
       }
-      const auto gu = qd_api::linear_multi(qd_api::rms_norm(x, post_norm, eps_, 1.0), gate_up);
+      const torch::Tensor hn = qd_api::rms_norm(x, post_norm, eps_, 1.0);
+      if (experts_[i].has_value()) {
+        x = x + (*experts_[i])(hn);
+        continue;
+      }
+      const auto gu = qd_api::linear_multi(hn, gate_up);
       torch::Tensor m = gu[0];  // silu(gate) * up, in place
       at::silu_(m);
       m.mul_(gu[1]);
-      x = qd_api::linear_multi(m, {down}, x)[0];
+      x = qd_api::linear_multi(m, {*down}, x)[0];
     }
     if (wants(num_layers())) captured.push_back(x);
     return {x, captured, rows};
@@ -229,14 +341,14 @@ class HybridStack {
     bool tiled;
     WeightSpec out;
     std::vector<WeightSpec> gate_up;
-    WeightSpec down;
+    std::optional<WeightSpec> down;
   };
   struct Attn {
     torch::Tensor in_norm, post_norm, q_norm, k_norm;
     std::vector<WeightSpec> qkv;
     WeightSpec o;
     std::vector<WeightSpec> gate_up;
-    WeightSpec down;
+    std::optional<WeightSpec> down;
   };
 
   // RoPE over the first cos.size(1) dims of each head (all of them, or Qwen3.5's partial rotary)
@@ -247,6 +359,7 @@ class HybridStack {
   }
 
   std::vector<int64_t> kinds_;  // per layer: its index among deltas_ (>= 0), or -1 - its index among attns_
+  std::vector<std::optional<ExpertBlock>> experts_;  // per layer: routed experts instead of the dense MLP
   std::vector<Delta> deltas_;
   std::vector<Attn> attns_;
   torch::Tensor cos_, sin_;
@@ -367,6 +480,70 @@ class Gemma4Stack {
   int64_t row_lanes_;
 };
 
+// GPT-OSS's stack (the standard layer with q/k/v/o biases, per-head sinks, sliding windows on every
+// other layer, and routed experts as its MLP) in one native call per pass: bitwise the Python layers
+// (tests/test_native_stack.py).
+class GptOssStack {
+ public:
+  GptOssStack(torch::Tensor cos, torch::Tensor sin, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              double scale)
+      : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), nh_(heads), nkv_(kv_heads), hd_(head_dim),
+        scale_(scale) {}
+
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<WeightSpec> qkv, WeightSpec o,
+                 torch::Tensor sinks, int64_t window, ExpertBlock experts) {
+    layers_.push_back({std::move(in_norm), std::move(post_norm), std::move(qkv), std::move(o), std::move(sinks), window,
+                       std::move(experts)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(
+      torch::Tensor x, const torch::Tensor& positions, const std::vector<torch::Tensor>& k_layers,
+      const std::vector<torch::Tensor>& v_layers, int64_t start, const OptTensor& slots, const OptTensor& offsets,
+      const OptTensor& window_slots, const OptTensor& window_offsets, std::vector<int64_t> capture) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+                "x must be a CPU float32 tensor [T, H]");
+    TORCH_CHECK(static_cast<int64_t>(k_layers.size()) == num_layers() &&
+                    static_cast<int64_t>(v_layers.size()) == num_layers(),
+                "one key and one value cache per layer");
+    const int64_t T = x.size(0);
+    std::vector<torch::Tensor> captured;
+    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
+    x = x.contiguous();
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      if (wants(i)) captured.push_back(x);
+      const Layer& L = layers_[i];
+      const auto p = qd_api::linear_multi(qd_api::rms_norm(x, L.in_norm, eps_), L.qkv);
+      const torch::Tensor q = qd_api::rope(p[0].view({T, nh_, hd_}).transpose(0, 1), cos_, sin_, positions);
+      const torch::Tensor k = qd_api::rope(p[1].view({T, nkv_, hd_}).transpose(0, 1), cos_, sin_, positions);
+      const torch::Tensor v = p[2].view({T, nkv_, hd_}).transpose(0, 1);
+      const bool sliding = L.window > 0;
+      const auto att = qd_api::attend(q, k_layers[i], v_layers[i], start, L.window, scale_, sliding ? window_slots : slots,
+                                      sliding ? window_offsets : offsets, k, v, L.sinks);
+      x = x + qd_api::linear_multi(att, {L.o})[0];
+      x = x + L.experts(qd_api::rms_norm(x, L.post_norm, eps_));
+    }
+    if (wants(num_layers())) captured.push_back(x);
+    return {x, captured};
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor in_norm, post_norm;
+    std::vector<WeightSpec> qkv;
+    WeightSpec o;
+    torch::Tensor sinks;
+    int64_t window;
+    ExpertBlock experts;
+  };
+  std::vector<Layer> layers_;
+  torch::Tensor cos_, sin_;
+  double eps_;
+  int64_t nh_, nkv_, hd_;
+  double scale_;
+};
+
 }  // namespace
 
 void register_decode(pybind11::module& m) {
@@ -383,6 +560,38 @@ void register_decode(pybind11::module& m) {
            pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
            pybind11::arg("start"), pybind11::arg("slots") = pybind11::none(),
            pybind11::arg("offsets") = pybind11::none(), pybind11::arg("capture") = std::vector<int64_t>{});
+  pybind11::class_<ExpertBlock>(m, "ExpertBlock")
+      .def(pybind11::init([](std::optional<WeightSpec> router_q8, OptTensor router_w, OptTensor router_b, int64_t routing,
+                             bool renormalize, int64_t top_k, std::vector<std::vector<WeightSpec>> experts,
+                             int64_t activation, double alpha, double limit, int64_t row_lanes,
+                             std::vector<WeightSpec> shared, std::optional<WeightSpec> shared_gate_q8,
+                             OptTensor shared_gate_w) {
+             for (const auto& e : experts) TORCH_CHECK(e.size() == 3, "an expert is [gate, up, down]");
+             TORCH_CHECK(shared.empty() || shared.size() == 3, "a shared expert is [gate, up, down]");
+             TORCH_CHECK(router_q8.has_value() || router_w.has_value(), "routed experts need a router");
+             return ExpertBlock{Proj{std::move(router_q8), std::move(router_w), std::move(router_b)}, routing,
+                                renormalize, top_k, std::move(experts), activation, alpha, limit, row_lanes,
+                                std::move(shared), Proj{std::move(shared_gate_q8), std::move(shared_gate_w), c10::nullopt}};
+           }),
+           pybind11::arg("router_q8"), pybind11::arg("router_w"), pybind11::arg("router_b"), pybind11::arg("routing"),
+           pybind11::arg("renormalize"), pybind11::arg("top_k"), pybind11::arg("experts"), pybind11::arg("activation"),
+           pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("row_lanes"), pybind11::arg("shared"),
+           pybind11::arg("shared_gate_q8"), pybind11::arg("shared_gate_w"));
+
+  pybind11::class_<GptOssStack>(m, "GptOssStack")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double>(),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("eps"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"))
+      .def("add_layer", &GptOssStack::add_layer, pybind11::arg("in_norm"), pybind11::arg("post_norm"),
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("sinks"), pybind11::arg("window"),
+           pybind11::arg("experts"))
+      .def("num_layers", &GptOssStack::num_layers)
+      .def("run", &GptOssStack::run, "(hidden [T, H], captured layer inputs) for one pass",
+           pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("k_layers"), pybind11::arg("v_layers"), pybind11::arg("start"), pybind11::arg("slots"),
+           pybind11::arg("offsets"), pybind11::arg("window_slots"), pybind11::arg("window_offsets"),
+           pybind11::arg("capture"));
+
   pybind11::class_<HybridStack>(m, "HybridStack")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double, int64_t>(),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("eps"), pybind11::arg("heads"),
@@ -391,10 +600,10 @@ void register_decode(pybind11::module& m) {
            pybind11::arg("proj"), pybind11::arg("b_w"), pybind11::arg("a_w"), pybind11::arg("conv_w"),
            pybind11::arg("a_log"), pybind11::arg("dt_bias"), pybind11::arg("norm_w"), pybind11::arg("norm_eps"),
            pybind11::arg("nk"), pybind11::arg("dk"), pybind11::arg("nv"), pybind11::arg("dv"), pybind11::arg("tiled"),
-           pybind11::arg("out"), pybind11::arg("gate_up"), pybind11::arg("down"))
+           pybind11::arg("out"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("experts"))
       .def("add_attention", &HybridStack::add_attention, pybind11::arg("in_norm"), pybind11::arg("post_norm"),
            pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("qkv"), pybind11::arg("o"),
-           pybind11::arg("gate_up"), pybind11::arg("down"))
+           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("experts"))
       .def("num_layers", &HybridStack::num_layers)
       .def("run", &HybridStack::run, "(hidden [T, H], captured layer inputs, per Gated DeltaNet layer [windows, states])",
            pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("positions"),

@@ -442,6 +442,11 @@ std::vector<torch::Tensor> qd_api::linear_multi(const torch::Tensor& x, const st
                                                 const c10::optional<torch::Tensor>& residual) {
   return ::linear_multi(x, weights, 0, residual);
 }
+std::vector<torch::Tensor> qd_api::linear_grouped(const torch::Tensor& x, const std::vector<int64_t>& counts,
+                                                  const std::vector<WeightSpec>& weights,
+                                                  const std::vector<int64_t>& groups) {
+  return ::linear_grouped(x, counts, weights, groups);
+}
 
 void register_delta(pybind11::module& m);  // delta_cpu.cpp: the Gated DeltaNet token step
 void register_ops(pybind11::module& m);     // ops_cpu.cpp: fused RMSNorm, RoPE, attention

@@ -33,6 +33,11 @@ using WeightSpec = std::tuple<int64_t, torch::Tensor, int64_t, c10::optional<tor
 std::vector<torch::Tensor> linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
                                         const c10::optional<torch::Tensor>& residual = c10::nullopt);
 
+// ggml_cpu.cpp: weight i on the rows of group groups[i] of x (counts[g] rows each, in order), each
+// result what a call of its own on those rows gives
+std::vector<torch::Tensor> linear_grouped(const torch::Tensor& x, const std::vector<int64_t>& counts,
+                                          const std::vector<WeightSpec>& weights, const std::vector<int64_t>& groups);
+
 // ops_cpu.cpp
 // offset: 0 (w * normed x) or 1 ((1 + w) * normed x: Gemma's and Qwen3.5's norms)
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, double offset = 0.0);

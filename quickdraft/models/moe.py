@@ -45,6 +45,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import MLP, linear_grouped
+from quickdraft.models.native import WeightSpec, weight_spec
+from quickdraft.quant.ggml import active_kernels
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
 ROW_LANES = 64  # elements per row that keep element-wise kernels on one code path (see rowwise)
@@ -185,6 +187,58 @@ def _grouped_mlps(mlps: list[nn.Module], slots: list[list[int]], x: torch.Tensor
     down = linear_grouped([[m.down_proj] for m in typed], hidden, counts)
     ys = x.new_empty(order.numel(), x.shape[1])
     return ys.index_copy_(0, order, torch.cat([d[0] for d in down]).to(x.dtype))
+
+
+def float_rows(m: nn.Module, bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a float32 :class:`Linear` as a native stack runs it (blocked_linear's fixed
+    row blocks), or None where it is not one (or has 2-3 outputs, which blocked_linear pads)."""
+    if type(m) is not Linear or (m.bias is not None and not bias) or 1 < m.out_features < 4:
+        return None
+    ts = [m.weight] + ([m.bias] if m.bias is not None else [])
+    if not all(t.dtype == torch.float32 and t.is_cpu for t in ts):
+        return None
+    return m.weight.detach(), None if m.bias is None else m.bias.detach()
+
+
+def expert_block(moe: nn.Module, swiglu: tuple[float, float] | None = None) -> Any | None:
+    """``moe`` (a :class:`SparseMoE`) as the kernels' ``ExpertBlock`` for a native stack, or None
+    where it does not apply: softmax routings, every expert (and the shared one) a gated MLP of q8
+    GGML blocks, the router and the shared expert's gate a float32 Linear or q8 blocks.
+    ``swiglu``: GPT-OSS's (alpha, limit) activation instead of silu(gate) * up."""
+    mod = active_kernels()
+    if mod is None or type(moe) is not SparseMoE or moe.routing not in ("softmax_topk", "topk_softmax"):
+        return None
+    experts: list[list[WeightSpec]] = []
+    for e in moe.experts:
+        if not isinstance(e, MLP) or (swiglu is None and type(e) is not MLP):
+            return None
+        specs = [weight_spec(m) for m in (e.gate_proj, e.up_proj, e.down_proj)]
+        if any(s is None for s in specs):
+            return None
+        experts.append(specs)  # type: ignore[arg-type]
+    router_q8 = weight_spec(moe.gate)
+    router = None if router_q8 is not None else float_rows(moe.gate, bias=True)
+    if router_q8 is None and router is None:
+        return None
+    shared: list[WeightSpec] = []
+    gate_q8 = gate_w = None
+    if moe.shared_expert is not None:
+        se = moe.shared_expert
+        specs = [weight_spec(m) for m in (se.gate_proj, se.up_proj, se.down_proj)]
+        if type(se) is not MLP or any(s is None for s in specs):
+            return None
+        shared = specs  # type: ignore[assignment]
+        if moe.shared_expert_gate is not None:
+            gate_q8 = weight_spec(moe.shared_expert_gate)
+            if gate_q8 is None and (g := float_rows(moe.shared_expert_gate)) is not None:
+                gate_w = g[0]
+            if gate_q8 is None and gate_w is None:
+                return None
+    alpha, limit = swiglu or (0.0, 0.0)
+    return mod.ExpertBlock(
+        router_q8, None if router is None else router[0], None if router is None else router[1],
+        0 if moe.routing == "softmax_topk" else 1, bool(moe.renormalize), moe.top_k, experts,
+        0 if swiglu is None else 1, float(alpha), float(limit), ROW_LANES, shared, gate_q8, gate_w)
 
 
 _STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.(weight|bias))?")

@@ -54,6 +54,7 @@ from quickdraft.models.moe import (
     SparseMoE,
     check_moe_config,
     convert_expert_layouts,
+    expert_block,
 )
 from quickdraft.models.native import WeightSpec, weight_spec
 from quickdraft.models.phi3 import PartialRope
@@ -444,8 +445,9 @@ class HybridStack:
 
 
 def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None:
-    """Qwen3.5's native stack for these layers, or None where it does not apply: every layer
-    dense (no routed experts), every matrix a q8 GGML block (b / a may be float32), fp32 norms."""
+    """Qwen3.5's native stack for these layers, or None where it does not apply: every matrix a q8
+    GGML block (Gated DeltaNet's b / a and the routers may be float32; dense MLPs or routed experts
+    with the gated shared one), fp32 norms."""
     mod = active_kernels()
     layers = [m for m in modules if isinstance(m, DecoderLayer)]
     if mod is None or not layers or len(layers) != len(modules) or rope.cos.dtype != torch.float32 \
@@ -474,11 +476,18 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
                             float(heads[3]), heads[4] or 0)
     deltas = 0
     for layer in layers:
-        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
-            return None
         mlp = layer.mlp
-        gate_up, down = specs(mlp.gate_proj, mlp.up_proj), specs(mlp.down_proj)
-        if gate_up is None or down is None or not norm_ok(layer.input_layernorm, layer.post_attention_layernorm):
+        experts = None
+        gate_up: list[WeightSpec] | None = []
+        down: WeightSpec | None = None
+        if type(mlp) is MLP:
+            gate_up, down_specs = specs(mlp.gate_proj, mlp.up_proj), specs(mlp.down_proj)
+            if gate_up is None or down_specs is None:
+                return None
+            down = down_specs[0]
+        elif (experts := expert_block(mlp)) is None:  # else routed experts and the gated shared one
+            return None
+        if not norm_ok(layer.input_layernorm, layer.post_attention_layernorm):
             return None
         norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
         if layer.linear:
@@ -494,7 +503,8 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
             if out is None or not d.conv1d.weight.is_contiguous():
                 return None
             stack.add_delta(*norms, proj, b_w, a_w, d.conv1d.weight.detach(), d.A_log.detach(), d.dt_bias.detach(),
-                            d.norm.weight.detach(), d.norm.eps, d.nk, d.dk, d.nv, d.dv, d.tiled, out[0], gate_up, down[0])
+                            d.norm.weight.detach(), d.norm.eps, d.nk, d.dk, d.nv, d.dv, d.tiled, out[0], gate_up, down,
+                            experts)
             deltas += 1
         else:
             a = layer.self_attn
@@ -503,7 +513,8 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
                     or not norm_ok(a.q_norm, a.k_norm) or a.rope is not rope or not a.native
                     or (a.nh, a.nkv, a.hd, a.scale, a.window) != heads or a.hd % 8):
                 return None
-            stack.add_attention(*norms, a.q_norm.weight.detach(), a.k_norm.weight.detach(), qkv, o[0], gate_up, down[0])
+            stack.add_attention(*norms, a.q_norm.weight.detach(), a.k_norm.weight.detach(), qkv, o[0], gate_up, down,
+                                experts)
     return HybridStack(stack, deltas)
 
 
