@@ -24,9 +24,7 @@ from tiny import (
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.gemma4 import Gemma4Stack
-from quickdraft.models.gpt_oss import GptOssStack
-from quickdraft.models.native import DenseStack
+from quickdraft.models.native import DenseStack, PerLayerCacheStack
 from quickdraft.models.qwen3_5 import HybridStack
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
 from quickdraft.speculative.ngram import NGramDrafter
@@ -102,8 +100,14 @@ def tree_mask(start: int, parents: list[int]) -> tuple[torch.Tensor, torch.Tenso
     return mask, torch.tensor([start - 1 + 1 + d for d in depth])
 
 
-def both_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
-    """(native, python) results of one pass over ``ids`` after ``prompt``: logits, captured, cache."""
+def kv_slabs(cache) -> tuple:  # noqa: ANN001
+    """The keys and values a pass left in a cache of one [layers, kv heads, S, D] slab each."""
+    return cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()
+
+
+def both_paths(model: CausalLM, prompt: list[int], ids: list[int], read=kv_slabs, **kw):  # noqa: ANN001, ANN003, ANN201
+    """(native, python) results of one pass over ``ids`` after ``prompt``: logits, captured, and what
+    ``read`` takes from the cache."""
     out = []
     for native in (True, False):
         cache = model.new_cache()
@@ -114,7 +118,7 @@ def both_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noq
         else:
             with python_path(model):
                 logits, captured = model(torch.tensor(ids), cache, **kw)
-        out.append((logits, captured, cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()))
+        out.append((logits, captured, *read(cache)))
     return out
 
 
@@ -280,34 +284,40 @@ HYBRID_Q8 = {name: "Q8_0" for name in ("attn_qkv.weight", "attn_gate.weight", "s
                                        "ffn_up.weight", "ffn_down.weight")}
 
 
-@pytest.fixture(scope="module", params=["float-b-a", "q8-b-a"])
-def hybrid(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+_BUILT: dict[tuple[Path, str], LoadedModel] = {}
+
+
+def tiny(root: Path, name: str) -> LoadedModel:
+    """The tiny GGUF model ``name`` (one of STACK_MODELS) built once per module."""
+    if (root, name) not in _BUILT:
+        _BUILT[root, name] = STACK_MODELS[name](root)
+    return _BUILT[root, name]
+
+
+def hybrid_model(root: Path, q8_b_a: bool) -> LoadedModel:
     """Tiny Qwen3.5 (linear, full, linear layers; partial RoPE) as a Q8_0 GGUF, its Gated DeltaNet b / a
     projections float32 (as llama.cpp's quantizer leaves them) or Q8_0 too."""
-    qtypes = HYBRID_Q8 | ({"ssm_beta.weight": "Q8_0", "ssm_alpha.weight": "Q8_0"} if request.param == "q8-b-a" else {})
+    qtypes = HYBRID_Q8 | ({"ssm_beta.weight": "Q8_0", "ssm_alpha.weight": "Q8_0"} if q8_b_a else {})
     folder = make_tiny_hf_model(root, "qwen3_5_text", seed=7, name="hybrid-native")
-    path = qwen3_5_to_gguf(folder, root / f"hybrid-{request.param}.gguf", qtypes)
+    path = qwen3_5_to_gguf(folder, root / f"hybrid-{int(q8_b_a)}.gguf", qtypes)
     return load_model(str(path), dtype="auto", max_context=256)
 
 
+@pytest.fixture(scope="module", params=["hybrid", "hybrid-q8-b-a"])
+def hybrid(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+    return tiny(root, request.param)
+
+
+def hybrid_cache(cache) -> tuple:  # noqa: ANN001
+    """Keys and values, the rows the pass kept and every layer's recurrent state after each of them."""
+    kept = [i for i, k in enumerate(cache.recurrent.kept_rows()) if k]
+    states = [s for i in kept for pair in cache.recurrent.row_states(i) for s in pair]
+    return (*kv_slabs(cache.attention), kept, states)
+
+
 def hybrid_paths(model: CausalLM, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
-    """(native, python): logits, captured, keys and values, and every layer's recurrent state after each
-    row the pass kept, of one pass over ``ids`` after ``prompt`` (itself run natively)."""
-    out = []
-    for native in (True, False):
-        cache = model.new_cache()
-        model(torch.tensor(prompt), cache)
-        if native:
-            logits, captured = model(torch.tensor(ids), cache, **kw)
-            assert isinstance(model._native._stack, HybridStack)  # the pass ran natively
-        else:
-            with python_path(model):
-                logits, captured = model(torch.tensor(ids), cache, **kw)
-        kept = [i for i, k in enumerate(cache.recurrent.kept_rows()) if k]
-        states = [s for i in kept for pair in cache.recurrent.row_states(i) for s in pair]
-        attention = cache.attention
-        out.append((logits, captured, attention.k[:, :, : attention.length].clone(),
-                     attention.v[:, :, : attention.length].clone(), kept, states))
+    out = both_paths(model, prompt, ids, read=hybrid_cache, **kw)
+    assert isinstance(model._native._stack, HybridStack)  # (the native pass ran on the hybrid stack)
     return out
 
 
@@ -338,25 +348,17 @@ def test_hybrid_tree_rows_bitwise_equal_python(hybrid: LoadedModel) -> None:
     assert native[4] == list(range(7))  # every row returns its logits: every row keeps its state
 
 
-def test_hybrid_decoding_and_speculation_are_the_python_layers_tokens(hybrid: LoadedModel) -> None:
-    """Greedy decoding on the native stack == on the Python layers, and an n-gram drafter's output == plain."""
-    model = hybrid.model
-    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
-    truth = generate(hybrid, prompt, max_tokens=20, ignore_eos=True).ids
-    assert isinstance(model._native._stack, HybridStack)
-    with python_path(model):
-        assert generate(hybrid, prompt, max_tokens=20, ignore_eos=True).ids == truth
-    got = generate(hybrid, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
-    assert got.ids == truth
+def hybrid_moe_model(root: Path) -> LoadedModel:
+    """Tiny Qwen3.5-MoE (four routed experts, top 2, renormalised; a shared expert with its sigmoid
+    gate; the router float32) with every other matrix Q8_0."""
+    moe = make_tiny_hf_model(root, "qwen3_5_moe_text", seed=7, name="hybrid-moe-native")
+    qtypes = HYBRID_Q8 | {"exps.weight": "Q8_0", "shexp.weight": "Q8_0"}
+    return load_model(str(qwen3_5_to_gguf(moe, root / "moe-native.gguf", qtypes)), dtype="auto", max_context=256)
 
 
 @pytest.fixture(scope="module")
 def hybrid_moe(root: Path) -> LoadedModel:
-    """Tiny Qwen3.5-MoE (four routed experts, top 2, renormalised; a shared expert with its sigmoid
-    gate; the router and the shared gate float32) with every matrix Q8_0."""
-    moe = make_tiny_hf_model(root, "qwen3_5_moe_text", seed=7, name="hybrid-moe-native")
-    qtypes = HYBRID_Q8 | {"exps.weight": "Q8_0", "shexp.weight": "Q8_0"}
-    return load_model(str(qwen3_5_to_gguf(moe, root / "moe-native.gguf", qtypes)), dtype="auto", max_context=256)
+    return tiny(root, "hybrid-moe")
 
 
 @pytest.mark.parametrize("rows", [1, 4, 70])
@@ -379,116 +381,108 @@ def test_hybrid_stack_steps_aside_for_float_experts_and_weights(root: Path) -> N
     assert torch.inference_mode()(fp32.model._native.get)(x) is None  # no GGML blocks
 
 
-# ------------------------------------------------------------------- GPT-OSS's stack
-
-
-@pytest.fixture(scope="module", params=["MXFP4", "Q8_0"])
-def gpt_oss(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
-    """Tiny GPT-OSS (sinks, a window of 5 on alternate layers, YaRN, four experts with biases, top 2)
-    with q/k/v/o Q8_0 and its experts MXFP4 (as released) or Q8_0; the router float32."""
-    folder = make_tiny_hf_model(root, "gpt_oss", seed=6, name="gpt-oss-native")
-    qtypes = {n: "Q8_0" for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")}
-    path = gpt_oss_to_gguf(folder, root / f"gpt-oss-{request.param}.gguf", qtypes | {"exps.weight": request.param})
-    return load_model(str(path), dtype="auto", max_context=256)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 9, 70])
-def test_gpt_oss_chain_rows_bitwise_equal_python(gpt_oss: LoadedModel, rows: int) -> None:
-    model = gpt_oss.model
-    with torch.inference_mode():
-        assert isinstance(model._native.get(torch.zeros(1, 1)), GptOssStack)  # it applies here
-    ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
-    native, python = gemma4_paths(model, PROMPT, ids, capture=[0, 2], stack=GptOssStack)
-    assert_gemma4_same(native, python)
-
-
-def test_gpt_oss_tree_rows_bitwise_equal_python(gpt_oss: LoadedModel) -> None:
-    """A tree deeper than the window (5): the sliding layers see each row's own window, sinks included."""
-    mask, pos = tree_mask(len(PROMPT), [-1, 0, 1, 2, 3, 4, 5, 1, 7])
-    native, python = gemma4_paths(gpt_oss.model, PROMPT, [9, 30, 31, 40, 41, 50, 60, 70, 80], mask=mask,
-                                  positions=pos, stack=GptOssStack)
-    assert_gemma4_same(native, python)
-
-
-def test_gpt_oss_decoding_and_speculation_are_the_python_layers_tokens(gpt_oss: LoadedModel) -> None:
-    model = gpt_oss.model
-    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
-    truth = generate(gpt_oss, prompt, max_tokens=20, ignore_eos=True).ids
-    assert isinstance(model._native._stack, GptOssStack)
-    with python_path(model):
-        assert generate(gpt_oss, prompt, max_tokens=20, ignore_eos=True).ids == truth
-    got = generate(gpt_oss, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
-    assert got.ids == truth
-
-
-# ------------------------------------------------------------------- Gemma 4's stack
+# ------------------------------------------------------------------- Gemma 4's and GPT-OSS's stacks
 
 GEMMA4_Q8 = {name: "Q8_0" for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                                        "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")}
 
 
-@pytest.fixture(scope="module", params=["float-inputs", "q8-inputs"])
-def gemma4(request: pytest.FixtureRequest, root: Path) -> LoadedModel:
+def gemma4_model(root: Path, q8_inputs: bool) -> LoadedModel:
     """Tiny Gemma 4 (sliding window 5, full layers of twice the head size, the last two layers reading
     shared keys / values with double-wide MLPs, per-layer inputs) as a Q8_0 GGUF; its per-layer input
     gate float32 or Q8_0 (the projection back, 16 wide, stays float32)."""
-    qtypes = GEMMA4_Q8 | ({"inp_gate.weight": "Q8_0"} if request.param == "q8-inputs" else {})
+    qtypes = GEMMA4_Q8 | ({"inp_gate.weight": "Q8_0"} if q8_inputs else {})
     folder = make_tiny_hf_model(root, "gemma4_text", seed=4, name="gemma4-native")
-    path = gemma4_to_gguf(folder, root / f"gemma4-{request.param}.gguf", qtypes)
+    path = gemma4_to_gguf(folder, root / f"gemma4-{int(q8_inputs)}.gguf", qtypes)
     return load_model(str(path), dtype="auto", max_context=256)
 
 
-def gemma4_paths(model: CausalLM, prompt: list[int], ids: list[int], stack: type = Gemma4Stack, **kw):  # noqa: ANN003, ANN201
-    """(native, python): logits, captured, and every layer's keys and values after one pass over
-    ``ids`` after ``prompt`` (a model whose cache has per-layer views: Gemma 4's, GPT-OSS's)."""
-    out = []
-    for native in (True, False):
-        cache = model.new_cache()
-        model(torch.tensor(prompt), cache)
-        if native:
-            logits, captured = model(torch.tensor(ids), cache, **kw)
-            assert isinstance(model._native._stack, stack)  # the pass ran natively
-        else:
-            with python_path(model):
-                logits, captured = model(torch.tensor(ids), cache, **kw)
-        n = cache.length
-        out.append((logits, captured, [k[:, :n].clone() for k in cache.k_layers], [v[:, :n].clone() for v in cache.v_layers]))
+def gpt_oss_model(root: Path, experts: str) -> LoadedModel:
+    """Tiny GPT-OSS (sinks, a window of 5 on alternate layers, YaRN, four experts with biases, top 2)
+    with q/k/v/o Q8_0 and its experts MXFP4 (as released) or Q8_0; the router float32."""
+    folder = make_tiny_hf_model(root, "gpt_oss", seed=6, name="gpt-oss-native")
+    qtypes = {n: "Q8_0" for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")}
+    path = gpt_oss_to_gguf(folder, root / f"gpt-oss-{experts}.gguf", qtypes | {"exps.weight": experts})
+    return load_model(str(path), dtype="auto", max_context=256)
+
+
+STACK_MODELS = {
+    "hybrid": lambda root: hybrid_model(root, q8_b_a=False),
+    "hybrid-q8-b-a": lambda root: hybrid_model(root, q8_b_a=True),
+    "hybrid-moe": hybrid_moe_model,
+    "gemma4": lambda root: gemma4_model(root, q8_inputs=False),
+    "gemma4-q8-inputs": lambda root: gemma4_model(root, q8_inputs=True),
+    "gpt-oss": lambda root: gpt_oss_model(root, "MXFP4"),
+    "gpt-oss-q8-experts": lambda root: gpt_oss_model(root, "Q8_0"),
+}
+PER_LAYER = ["gemma4", "gemma4-q8-inputs", "gpt-oss", "gpt-oss-q8-experts"]
+
+
+def kernel(name: str) -> str:
+    """The kernels' class behind a per-layer-cache model's stack."""
+    return "Gemma4Stack" if name.startswith("gemma4") else "GptOssStack"
+
+
+def runs_natively(model: CausalLM, kernel: str) -> bool:
+    stack = model._native._stack
+    return isinstance(stack, PerLayerCacheStack) and type(stack.native).__name__ == kernel
+
+
+def layer_views(cache) -> tuple:  # noqa: ANN001
+    """Every layer's keys and values (a cache with a view per layer: Gemma 4's, GPT-OSS's)."""
+    n = cache.length
+    return [k[:, :n].clone() for k in cache.k_layers], [v[:, :n].clone() for v in cache.v_layers]
+
+
+def per_layer_paths(model: CausalLM, kernel: str, prompt: list[int], ids: list[int], **kw):  # noqa: ANN003, ANN201
+    out = both_paths(model, prompt, ids, read=layer_views, **kw)
+    assert runs_natively(model, kernel)  # (the native pass ran on the family's stack)
     return out
 
 
-def assert_gemma4_same(a, b) -> None:  # noqa: ANN001
+def assert_per_layer_same(a, b) -> None:  # noqa: ANN001
     assert torch.equal(a[0], b[0])
     assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
     assert all(torch.equal(x, y) for x, y in zip(a[2] + a[3], b[2] + b[3], strict=True))
 
 
+@pytest.mark.parametrize("name", PER_LAYER)
 @pytest.mark.parametrize("rows", [1, 3, 9, 70])
-def test_gemma4_chain_rows_bitwise_equal_python(gemma4: LoadedModel, rows: int) -> None:
-    model = gemma4.model
+def test_per_layer_chain_rows_bitwise_equal_python(name: str, rows: int, root: Path) -> None:
+    model = tiny(root, name).model
     with torch.inference_mode():
-        assert isinstance(model._native.get(torch.zeros(1, 1)), Gemma4Stack)  # it applies here
+        model._native.get(torch.zeros(1, 1))
+    assert runs_natively(model, kernel(name))  # it applies here
     ids = [(11 * i + 4) % 250 + 3 for i in range(rows)]
-    native, python = gemma4_paths(model, PROMPT, ids, capture=[0, 2, 4])
-    assert_gemma4_same(native, python)
+    last = model.config.num_hidden_layers  # (the last layer's output)
+    native, python = per_layer_paths(model, kernel(name), PROMPT, ids, capture=[0, 2, last])
+    assert_per_layer_same(native, python)
     assert len(native[1]) == 3
 
 
-def test_gemma4_tree_rows_bitwise_equal_python(gemma4: LoadedModel) -> None:
-    """A tree deeper than the sliding window (5): its sliding layers see each row's own window of slots."""
-    model = gemma4.model
+@pytest.mark.parametrize("name", PER_LAYER)
+def test_per_layer_tree_rows_bitwise_equal_python(name: str, root: Path) -> None:
+    """A tree deeper than the sliding window (5): the sliding layers see each row's own window of
+    slots (GPT-OSS: its sinks too)."""
+    model = tiny(root, name).model
     mask, pos = tree_mask(len(PROMPT), [-1, 0, 1, 2, 3, 4, 5, 1, 7])
-    native, python = gemma4_paths(model, PROMPT, [9, 30, 31, 40, 41, 50, 60, 70, 80], mask=mask, positions=pos)
-    assert_gemma4_same(native, python)
+    native, python = per_layer_paths(model, kernel(name), PROMPT, [9, 30, 31, 40, 41, 50, 60, 70, 80], mask=mask,
+                                     positions=pos)
+    assert_per_layer_same(native, python)
 
 
-def test_gemma4_decoding_and_speculation_are_the_python_layers_tokens(gemma4: LoadedModel) -> None:
-    model = gemma4.model
+@pytest.mark.parametrize("name", list(STACK_MODELS))
+def test_stack_decoding_and_speculation_are_the_python_layers_tokens(name: str, root: Path) -> None:
+    """Greedy decoding on each family's native stack == on its Python layers, and an n-gram drafter's
+    output == plain."""
+    loaded = tiny(root, name)
+    model = loaded.model
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]
-    truth = generate(gemma4, prompt, max_tokens=20, ignore_eos=True).ids
-    assert isinstance(model._native._stack, Gemma4Stack)
+    truth = generate(loaded, prompt, max_tokens=20, ignore_eos=True).ids
+    assert model._native._stack is not None
     with python_path(model):
-        assert generate(gemma4, prompt, max_tokens=20, ignore_eos=True).ids == truth
-    got = generate(gemma4, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
+        assert generate(loaded, prompt, max_tokens=20, ignore_eos=True).ids == truth
+    got = generate(loaded, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
     assert got.ids == truth
 
 

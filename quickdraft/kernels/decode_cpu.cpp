@@ -22,6 +22,31 @@ namespace {
 using qd_api::WeightSpec;
 using OptTensor = c10::optional<torch::Tensor>;
 
+// The layer loop every stack runs: x [T, H] (CPU float32) through x = layer(i, x) for i < n, with the
+// inputs of the layers in capture (index n: the last layer's output).
+template <class Layer>
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> run_layers(torch::Tensor x, int64_t n,
+                                                                 const std::vector<int64_t>& capture, Layer&& layer) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "x must be a CPU float32 tensor [T, H]");
+  std::vector<torch::Tensor> captured;
+  const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
+  x = x.contiguous();
+  for (int64_t i = 0; i < n; ++i) {
+    if (wants(i)) captured.push_back(x);
+    x = layer(i, x);
+  }
+  if (wants(n)) captured.push_back(x);
+  return {x, captured};
+}
+
+// One key and one value cache view per layer (a stack whose layers differ in head shape).
+void check_layer_caches(const std::vector<torch::Tensor>& k_layers, const std::vector<torch::Tensor>& v_layers,
+                        int64_t n) {
+  TORCH_CHECK(static_cast<int64_t>(k_layers.size()) == n && static_cast<int64_t>(v_layers.size()) == n,
+              "one key and one value cache per layer");
+}
+
 // input norm, post-attention norm, q norm, k norm (None: no q/k norms), [q, k, v], o, [gate, up], down
 using LayerSpec = std::tuple<torch::Tensor, torch::Tensor, OptTensor, OptTensor, std::vector<WeightSpec>, WeightSpec,
                              std::vector<WeightSpec>, WeightSpec>;
@@ -51,17 +76,11 @@ class DecoderStack {
                                                             const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                                             int64_t start, const OptTensor& slots,
                                                             const OptTensor& offsets, std::vector<int64_t> capture) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-                "x must be a CPU float32 tensor [T, H]");
     TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == num_layers() &&
                     v_cache.size(0) == num_layers(),
                 "the caches must be [layers, kv heads, S, D] for ", num_layers(), " layers");
     const int64_t T = x.size(0);
-    std::vector<torch::Tensor> captured;
-    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
-    x = x.contiguous();
-    for (int64_t i = 0; i < num_layers(); ++i) {
-      if (wants(i)) captured.push_back(x);
+    return run_layers(x, num_layers(), capture, [&](int64_t i, torch::Tensor x) {
       const auto& [in_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down] = layers_[i];
       auto p = qd_api::linear_multi(qd_api::rms_norm(x, in_norm, eps_), qkv);
       torch::Tensor q = p[0].view({T, nh_, hd_}).transpose(0, 1);  // [Hq, T, D]
@@ -80,10 +99,8 @@ class DecoderStack {
       torch::Tensor h = gu[0];  // silu(gate) * up, in place: the same elementwise ops, no new tensors
       at::silu_(h);
       h.mul_(gu[1]);
-      x = qd_api::linear_multi(h, {down}, x)[0];
-    }
-    if (wants(num_layers())) captured.push_back(x);
-    return {x, captured};
+      return qd_api::linear_multi(h, {down}, x)[0];
+    });
   }
 
  private:
@@ -268,20 +285,14 @@ class HybridStack {
       int64_t start, const OptTensor& slots, const OptTensor& offsets, std::vector<int64_t> capture,
       const std::vector<int64_t>& parents, const std::vector<std::vector<torch::Tensor>>& start_convs,
       const std::vector<std::vector<torch::Tensor>>& start_states, const std::vector<bool>& keep) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-                "x must be a CPU float32 tensor [T, H]");
     TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == static_cast<int64_t>(attns_.size()) &&
                     v_cache.size(0) == static_cast<int64_t>(attns_.size()),
                 "the caches must be [attention layers, kv heads, S, D] for ", attns_.size(), " layers");
     TORCH_CHECK(start_convs.size() == deltas_.size() && start_states.size() == deltas_.size(),
                 "one list of start windows and states per Gated DeltaNet layer");
     const int64_t T = x.size(0);
-    std::vector<torch::Tensor> captured;
     std::vector<std::vector<torch::Tensor>> rows;
-    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
-    x = x.contiguous();
-    for (int64_t i = 0; i < num_layers(); ++i) {
-      if (wants(i)) captured.push_back(x);
+    auto [out, captured] = run_layers(x, num_layers(), capture, [&](int64_t i, torch::Tensor x) {
       const int64_t kind = kinds_[i];
       const auto& [in_norm, post_norm, gate_up, down] =
           kind >= 0 ? std::tie(deltas_[kind].in_norm, deltas_[kind].post_norm, deltas_[kind].gate_up, deltas_[kind].down)
@@ -316,18 +327,14 @@ class HybridStack {
         x = qd_api::linear_multi(att * at::sigmoid(gate), {a.o}, x)[0];
       }
       const torch::Tensor hn = qd_api::rms_norm(x, post_norm, eps_, 1.0);
-      if (experts_[i].has_value()) {
-        x = x + (*experts_[i])(hn);
-        continue;
-      }
+      if (experts_[i].has_value()) return x + (*experts_[i])(hn);
       const auto gu = qd_api::linear_multi(hn, gate_up);
       torch::Tensor m = gu[0];  // silu(gate) * up, in place
       at::silu_(m);
       m.mul_(gu[1]);
-      x = qd_api::linear_multi(m, {*down}, x)[0];
-    }
-    if (wants(num_layers())) captured.push_back(x);
-    return {x, captured, rows};
+      return qd_api::linear_multi(m, {*down}, x)[0];
+    });
+    return {out, captured, rows};
   }
 
  private:
@@ -406,17 +413,9 @@ class Gemma4Stack {
       const std::vector<torch::Tensor>& v_layers, int64_t start, const OptTensor& slots, const OptTensor& offsets,
       const OptTensor& window_slots, const OptTensor& window_offsets, const OptTensor& layer_inputs,
       std::vector<int64_t> capture) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-                "x must be a CPU float32 tensor [T, H]");
-    TORCH_CHECK(static_cast<int64_t>(k_layers.size()) == num_layers() &&
-                    static_cast<int64_t>(v_layers.size()) == num_layers(),
-                "one key and one value cache per layer");
+    check_layer_caches(k_layers, v_layers, num_layers());
     const int64_t T = x.size(0);
-    std::vector<torch::Tensor> captured;
-    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
-    x = x.contiguous();
-    for (int64_t i = 0; i < num_layers(); ++i) {
-      if (wants(i)) captured.push_back(x);
+    return run_layers(x, num_layers(), capture, [&](int64_t i, torch::Tensor x) {
       const Layer& L = layers_[i];
       const torch::Tensor h = qd_api::rms_norm(x, L.norms[0], eps_);
       std::vector<WeightSpec> proj{L.q};
@@ -444,10 +443,8 @@ class Gemma4Stack {
         const torch::Tensor g = gelu_rowwise(L.input_gate(x)) * layer_inputs->select(1, i);
         x = x + qd_api::rms_norm(L.input_proj(g), *L.input_norm, eps_);
       }
-      x = x * L.scalar;
-    }
-    if (wants(num_layers())) captured.push_back(x);
-    return {x, captured};
+      return x * L.scalar;
+    });
   }
 
  private:
@@ -502,17 +499,9 @@ class GptOssStack {
       torch::Tensor x, const torch::Tensor& positions, const std::vector<torch::Tensor>& k_layers,
       const std::vector<torch::Tensor>& v_layers, int64_t start, const OptTensor& slots, const OptTensor& offsets,
       const OptTensor& window_slots, const OptTensor& window_offsets, std::vector<int64_t> capture) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-                "x must be a CPU float32 tensor [T, H]");
-    TORCH_CHECK(static_cast<int64_t>(k_layers.size()) == num_layers() &&
-                    static_cast<int64_t>(v_layers.size()) == num_layers(),
-                "one key and one value cache per layer");
+    check_layer_caches(k_layers, v_layers, num_layers());
     const int64_t T = x.size(0);
-    std::vector<torch::Tensor> captured;
-    const auto wants = [&](int64_t i) { return std::find(capture.begin(), capture.end(), i) != capture.end(); };
-    x = x.contiguous();
-    for (int64_t i = 0; i < num_layers(); ++i) {
-      if (wants(i)) captured.push_back(x);
+    return run_layers(x, num_layers(), capture, [&](int64_t i, torch::Tensor x) {
       const Layer& L = layers_[i];
       const auto p = qd_api::linear_multi(qd_api::rms_norm(x, L.in_norm, eps_), L.qkv);
       const torch::Tensor q = qd_api::rope(p[0].view({T, nh_, hd_}).transpose(0, 1), cos_, sin_, positions);
@@ -522,10 +511,8 @@ class GptOssStack {
       const auto att = qd_api::attend(q, k_layers[i], v_layers[i], start, L.window, scale_, sliding ? window_slots : slots,
                                       sliding ? window_offsets : offsets, k, v, L.sinks);
       x = x + qd_api::linear_multi(att, {L.o})[0];
-      x = x + L.experts(qd_api::rms_norm(x, L.post_norm, eps_));
-    }
-    if (wants(num_layers())) captured.push_back(x);
-    return {x, captured};
+      return x + L.experts(qd_api::rms_norm(x, L.post_norm, eps_));
+    });
   }
 
  private:

@@ -22,7 +22,7 @@ What differs from Gemma 3 (``gemma3.py``), all as in transformers' ``modeling_ge
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,13 @@ from quickdraft.models.moe import (
     route,
     rowwise,
 )
-from quickdraft.models.native import WeightSpec, weight_spec
+from quickdraft.models.native import (
+    PerLayerCacheStack,
+    WeightSpec,
+    float_rows,
+    on_cpu_fp32,
+    weight_spec,
+)
 from quickdraft.quant.ggml import active_kernels
 
 CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
@@ -437,21 +443,7 @@ class _Backbone(nn.Module):
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
 
 
-class Gemma4Stack:
-    """Every layer of a pass in one native call (the kernels' ``Gemma4Stack``: bitwise the Python layers)."""
-
-    def __init__(self, native: Any, window: int | None) -> None:
-        self.native, self.window = native, window  # window: the sliding layers'
-
-    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = step.cache.attention
-        slots, offsets = step.flat_slots(None)
-        window_slots, window_offsets = step.flat_slots(self.window) if self.window else (None, None)
-        return self.native.run(x, step.positions, cache.k_layers, cache.v_layers, step.start, slots, offsets,
-                               window_slots, window_offsets, step.layer_inputs, list(capture))
-
-
-def build_stack(modules: nn.ModuleList) -> Gemma4Stack | None:
+def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
     """Gemma 4's native stack for these layers, or None where it does not apply: no routed experts,
     every attention and MLP matrix a q8 GGML block (the per-layer input projections may be float32),
     fp32 norms and RoPE tables."""
@@ -461,19 +453,15 @@ def build_stack(modules: nn.ModuleList) -> Gemma4Stack | None:
         return None
     eps = layers[0].input_layernorm.eps
 
-    def fp32(*ts: torch.Tensor) -> bool:
-        return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
-
     def norm_ok(*ns: nn.Module | None) -> bool:
-        return all(type(n) is RMSNorm and n.eps == eps and fp32(n.weight) for n in ns)
+        return all(type(n) is RMSNorm and n.eps == eps and on_cpu_fp32(n.weight) for n in ns)
 
     def q8(m: nn.Module | None) -> WeightSpec | None:
         return None if m is None else weight_spec(m)
 
-    def float_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear, as blocked_linear runs it
-        if type(m) is not Linear or m.bias is not None or not fp32(m.weight) or 1 < m.out_features < 4:
-            return None
-        return m.weight.detach()
+    def weight_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear's weight
+        rows = float_rows(m)
+        return None if rows is None else rows[0]
 
     stack = mod.Gemma4Stack(float(eps), ROW_LANES)
     windows = set()
@@ -483,7 +471,7 @@ def build_stack(modules: nn.ModuleList) -> Gemma4Stack | None:
                  layer.post_feedforward_layernorm]
         if layer.router is not None or type(a) is not Gemma4Attention or type(mlp) is not GemmaMLP \
                 or a.q_norm is None or not norm_ok(*norms, a.q_norm) or not a.native or a.hd % 8 or type(a.v_norm) is not PlainRMSNorm \
-                or a.v_norm.eps != eps or not fp32(a.rope.cos, layer.layer_scalar):
+                or a.v_norm.eps != eps or not on_cpu_fp32(a.rope.cos, layer.layer_scalar):
             return None
         k = v = None
         if not a.reuses_kv:
@@ -500,8 +488,8 @@ def build_stack(modules: nn.ModuleList) -> Gemma4Stack | None:
             if not norm_ok(layer.post_per_layer_input_norm):
                 return None
             gate_q8, proj_q8 = q8(layer.per_layer_input_gate), q8(layer.per_layer_projection)
-            gate_w = None if gate_q8 is not None else float_rows(layer.per_layer_input_gate)
-            proj_w = None if proj_q8 is not None else float_rows(layer.per_layer_projection)
+            gate_w = None if gate_q8 is not None else weight_rows(layer.per_layer_input_gate)
+            proj_w = None if proj_q8 is not None else weight_rows(layer.per_layer_projection)
             if (gate_q8 is None and gate_w is None) or (proj_q8 is None and proj_w is None):
                 return None
             input_norm = layer.post_per_layer_input_norm.weight.detach()
@@ -514,7 +502,7 @@ def build_stack(modules: nn.ModuleList) -> Gemma4Stack | None:
             input_norm, layer.layer_scalar.detach())
     if len(windows) > 1:
         return None
-    return Gemma4Stack(stack, next(iter(windows), None))
+    return PerLayerCacheStack(stack, next(iter(windows), None), layer_inputs=True)
 
 
 class CausalLM(gemma3.CausalLM):
@@ -524,7 +512,7 @@ class CausalLM(gemma3.CausalLM):
     backbone = _Backbone
     converts_checkpoint = True
 
-    def native_stack(self) -> Gemma4Stack | None:
+    def native_stack(self) -> PerLayerCacheStack | None:
         return build_stack(self.model.layers)
 
     def make_cache(self, max_len: int) -> SequenceCache:

@@ -17,7 +17,7 @@ What differs from the Llama decoder:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,6 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf import QuantTensor
 from quickdraft.models import causal_lm, layers
 from quickdraft.models.batch_invariance import Linear
-from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import is_sliding
 from quickdraft.models.layers import MLP, Attention, RMSNorm, Rope, embedding
 from quickdraft.models.moe import (
@@ -49,7 +48,7 @@ from quickdraft.models.moe import (
     expert_block,
     rowwise,
 )
-from quickdraft.models.native import weight_spec
+from quickdraft.models.native import PerLayerCacheStack, on_cpu_fp32, weight_spec, weight_specs
 from quickdraft.quant.ggml import active_kernels
 
 
@@ -204,21 +203,7 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GptOssStack:
-    """Every layer of a pass in one native call (the kernels' ``GptOssStack``: bitwise the Python layers)."""
-
-    def __init__(self, native: Any, window: int | None) -> None:
-        self.native, self.window = native, window  # window: the sliding layers'
-
-    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = step.cache.attention
-        slots, offsets = step.flat_slots(None)
-        window_slots, window_offsets = step.flat_slots(self.window) if self.window else (None, None)
-        return self.native.run(x, step.positions, cache.k_layers, cache.v_layers, step.start, slots, offsets,
-                               window_slots, window_offsets, list(capture))
-
-
-def build_stack(modules: nn.ModuleList, rope: Rope) -> GptOssStack | None:
+def build_stack(modules: nn.ModuleList, rope: Rope) -> PerLayerCacheStack | None:
     """GPT-OSS's native stack for these layers, or None where it does not apply: q/k/v/o and every
     expert q8 GGML blocks (with their biases), the router float32 or blocks, fp32 norms, sinks and
     RoPE tables."""
@@ -235,12 +220,11 @@ def build_stack(modules: nn.ModuleList, rope: Rope) -> GptOssStack | None:
         a, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
         if type(a) is not SinkAttention or a.rope is not rope or (a.nh, a.nkv, a.hd, a.scale) != (a0.nh, a0.nkv, a0.hd, a0.scale) \
                 or a.hd % 8 or a.q_norm is not None or any(type(n) is not RMSNorm or n.eps != eps for n in norms) \
-                or not all(t.dtype == torch.float32 and t.is_cpu for t in (a.sinks, *[n.weight for n in norms])):
+                or not on_cpu_fp32(a.sinks, *[n.weight for n in norms]):
             return None
-        qkv = [weight_spec(m) for m in (a.q_proj, a.k_proj, a.v_proj)]
-        o = weight_spec(a.o_proj)
+        qkv, o = weight_specs(a.q_proj, a.k_proj, a.v_proj), weight_spec(a.o_proj)
         mlp = layer.mlp
-        if any(s is None for s in qkv) or o is None or not isinstance(mlp, SparseMoE) \
+        if qkv is None or o is None or not isinstance(mlp, SparseMoE) \
                 or not all(type(e) is Expert for e in mlp.experts):
             return None
         swiglu = {(float(e.alpha), float(e.limit)) for e in mlp.experts if isinstance(e, Expert)}
@@ -253,7 +237,7 @@ def build_stack(modules: nn.ModuleList, rope: Rope) -> GptOssStack | None:
                         experts)
     if len(windows) > 1:
         return None
-    return GptOssStack(stack, next(iter(windows), None))
+    return PerLayerCacheStack(stack, next(iter(windows), None), layer_inputs=False)
 
 
 class CausalLM(causal_lm.CausalLM):
@@ -261,7 +245,7 @@ class CausalLM(causal_lm.CausalLM):
 
     backbone = _Backbone
 
-    def native_stack(self) -> GptOssStack | None:
+    def native_stack(self) -> PerLayerCacheStack | None:
         return build_stack(self.model.layers, self.model.rope)
     converts_checkpoint = True
 

@@ -45,7 +45,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import MLP, linear_grouped
-from quickdraft.models.native import WeightSpec, weight_spec
+from quickdraft.models.native import WeightSpec, float_rows, weight_spec
 from quickdraft.quant.ggml import active_kernels
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
@@ -187,17 +187,6 @@ def _grouped_mlps(mlps: list[nn.Module], slots: list[list[int]], x: torch.Tensor
     down = linear_grouped([[m.down_proj] for m in typed], hidden, counts)
     ys = x.new_empty(order.numel(), x.shape[1])
     return ys.index_copy_(0, order, torch.cat([d[0] for d in down]).to(x.dtype))
-
-
-def float_rows(m: nn.Module, bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) of a float32 :class:`Linear` as a native stack runs it (blocked_linear's fixed
-    row blocks), or None where it is not one (or has 2-3 outputs, which blocked_linear pads)."""
-    if type(m) is not Linear or (m.bias is not None and not bias) or 1 < m.out_features < 4:
-        return None
-    ts = [m.weight] + ([m.bias] if m.bias is not None else [])
-    if not all(t.dtype == torch.float32 and t.is_cpu for t in ts):
-        return None
-    return m.weight.detach(), None if m.bias is None else m.bias.detach()
 
 
 def expert_block(moe: nn.Module, swiglu: tuple[float, float] | None = None) -> Any | None:

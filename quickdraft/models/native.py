@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.forward_pass import Step
 from quickdraft.models.layers import MLP, Attention, DecoderLayer, RMSNorm, Rope
 from quickdraft.quant.ggml import GGMLLinear, active_kernels, layout_epoch
@@ -45,6 +46,28 @@ def weight_spec(m: nn.Module) -> WeightSpec | None:
     return qt, m.raw, m.in_features, m.bias
 
 
+def weight_specs(*modules: nn.Module) -> list[WeightSpec] | None:
+    """Every module's :func:`weight_spec`, or None where any is not a q8-mode GGML linear."""
+    specs = [weight_spec(m) for m in modules]
+    return None if any(s is None for s in specs) else [s for s in specs if s is not None]
+
+
+def float_rows(m: nn.Module, bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a float32 :class:`~quickdraft.models.batch_invariance.Linear` as a native stack
+    runs it (``blocked_linear``'s fixed row blocks), or None where ``m`` is not one, has a bias and
+    ``bias`` is False, or has 2-3 outputs (which ``blocked_linear`` pads)."""
+    if type(m) is not Linear or (m.bias is not None and not bias) or 1 < m.out_features < 4:
+        return None
+    ts = [m.weight] + ([m.bias] if m.bias is not None else [])
+    if not all(t.dtype == torch.float32 and t.is_cpu for t in ts):
+        return None
+    return m.weight.detach(), None if m.bias is None else m.bias.detach()
+
+
+def on_cpu_fp32(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
+
+
 class DenseStack:
     """The standard layer's stack (the kernels' ``DecoderStack``)."""
 
@@ -55,6 +78,24 @@ class DenseStack:
         slots, offsets = step.flat_slots(self.window)
         cache = step.cache.attention
         return self.native.run(x, step.positions, cache.k, cache.v, step.start, slots, offsets, list(capture))
+
+
+class PerLayerCacheStack:
+    """A stack whose layers each attend over their own cache view (``cache.k_layers``: head shapes
+    that differ from layer to layer, layers reading another's keys and values), some of them through
+    a sliding ``window``: the kernels' ``Gemma4Stack`` (which also takes the per-layer inputs) and
+    ``GptOssStack``."""
+
+    def __init__(self, native: Any, window: int | None, layer_inputs: bool) -> None:
+        self.native, self.window, self.layer_inputs = native, window, layer_inputs
+
+    def run(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = step.cache.attention
+        slots, offsets = step.flat_slots(None)
+        window_slots, window_offsets = step.flat_slots(self.window) if self.window else (None, None)
+        extra = {"layer_inputs": step.layer_inputs} if self.layer_inputs else {}
+        return self.native.run(x, step.positions, cache.k_layers, cache.v_layers, step.start, slots, offsets,
+                               window_slots, window_offsets, capture=list(capture), **extra)
 
 
 def build_stack(layers: nn.ModuleList) -> DenseStack | None:

@@ -56,7 +56,7 @@ from quickdraft.models.moe import (
     convert_expert_layouts,
     expert_block,
 )
-from quickdraft.models.native import WeightSpec, weight_spec
+from quickdraft.models.native import WeightSpec, float_rows, on_cpu_fp32, weight_specs
 from quickdraft.models.phi3 import PartialRope
 from quickdraft.quant.ggml import active_kernels
 
@@ -455,20 +455,12 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
         return None
     eps = layers[0].input_layernorm.eps
 
-    def fp32(*ts: torch.Tensor) -> bool:
-        return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
-
     def norm_ok(*ns: nn.Module | None) -> bool:
-        return all(type(n) is GemmaRMSNorm and n.eps == eps and fp32(n.weight) for n in ns)
+        return all(type(n) is GemmaRMSNorm and n.eps == eps and on_cpu_fp32(n.weight) for n in ns)
 
-    def specs(*ms: nn.Module) -> list[WeightSpec] | None:
-        out = [weight_spec(m) for m in ms]
-        return None if any(s is None for s in out) else out  # type: ignore[return-value]
-
-    def float_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear, as blocked_linear runs it
-        if type(m) is not Linear or m.bias is not None or not fp32(m.weight) or 1 < m.out_features < 4:
-            return None
-        return m.weight.detach()
+    def weight_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear's weight
+        rows = float_rows(m)
+        return None if rows is None else rows[0]
 
     attn0 = next((layer.self_attn for layer in layers if not layer.linear), None)
     heads = (attn0.nh, attn0.nkv, attn0.hd, attn0.scale, attn0.window) if attn0 is not None else (1, 1, 8, 1.0, None)
@@ -481,7 +473,7 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
         gate_up: list[WeightSpec] | None = []
         down: WeightSpec | None = None
         if type(mlp) is MLP:
-            gate_up, down_specs = specs(mlp.gate_proj, mlp.up_proj), specs(mlp.down_proj)
+            gate_up, down_specs = weight_specs(mlp.gate_proj, mlp.up_proj), weight_specs(mlp.down_proj)
             if gate_up is None or down_specs is None:
                 return None
             down = down_specs[0]
@@ -492,12 +484,12 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
         norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
         if layer.linear:
             d = layer.linear_attn
-            if type(d) is not GatedDeltaNet or not fp32(d.conv1d.weight, d.A_log, d.dt_bias, d.norm.weight):
+            if type(d) is not GatedDeltaNet or not on_cpu_fp32(d.conv1d.weight, d.A_log, d.dt_bias, d.norm.weight):
                 return None
-            proj, out = specs(d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a), specs(d.out_proj)
+            proj, out = weight_specs(d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a), weight_specs(d.out_proj)
             b_w = a_w = None
             if proj is None:  # b and a float32 (as llama.cpp's quantizer leaves them)
-                proj, b_w, a_w = specs(d.in_proj_qkv, d.in_proj_z), float_rows(d.in_proj_b), float_rows(d.in_proj_a)
+                proj, b_w, a_w = weight_specs(d.in_proj_qkv, d.in_proj_z), weight_rows(d.in_proj_b), weight_rows(d.in_proj_a)
                 if proj is None or b_w is None or a_w is None:
                     return None
             if out is None or not d.conv1d.weight.is_contiguous():
@@ -508,7 +500,7 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
             deltas += 1
         else:
             a = layer.self_attn
-            qkv, o = specs(a.q_proj, a.k_proj, a.v_proj), specs(a.o_proj)
+            qkv, o = weight_specs(a.q_proj, a.k_proj, a.v_proj), weight_specs(a.o_proj)
             if (type(a) is not GatedAttention or qkv is None or o is None or a.q_norm is None or a.k_norm is None
                     or not norm_ok(a.q_norm, a.k_norm) or a.rope is not rope or not a.native
                     or (a.nh, a.nkv, a.hd, a.scale, a.window) != heads or a.hd % 8):
