@@ -397,6 +397,14 @@ def gemma4_model(root: Path, q8_inputs: bool) -> LoadedModel:
     return load_model(str(path), dtype="auto", max_context=256)
 
 
+def gemma4_moe_model(root: Path) -> LoadedModel:
+    """Tiny Gemma 4 in the 26B-A4B's layout: four routed experts (top 2) beside every MLP, their
+    router with its scales float32, full layers whose values are their keys; every matrix Q8_0."""
+    folder = make_tiny_hf_model(root, "gemma4_text", seed=4, name="gemma4-moe-native", **GEMMA4_MOE)
+    path = gemma4_to_gguf(folder, root / "gemma4-moe.gguf", GEMMA4_Q8 | {"exps.weight": "Q8_0"})
+    return load_model(str(path), dtype="auto", max_context=256)
+
+
 def gpt_oss_model(root: Path, experts: str) -> LoadedModel:
     """Tiny GPT-OSS (sinks, a window of 5 on alternate layers, YaRN, four experts with biases, top 2)
     with q/k/v/o Q8_0 and its experts MXFP4 (as released) or Q8_0; the router float32."""
@@ -412,10 +420,11 @@ STACK_MODELS = {
     "hybrid-moe": hybrid_moe_model,
     "gemma4": lambda root: gemma4_model(root, q8_inputs=False),
     "gemma4-q8-inputs": lambda root: gemma4_model(root, q8_inputs=True),
+    "gemma4-moe": gemma4_moe_model,
     "gpt-oss": lambda root: gpt_oss_model(root, "MXFP4"),
     "gpt-oss-q8-experts": lambda root: gpt_oss_model(root, "Q8_0"),
 }
-PER_LAYER = ["gemma4", "gemma4-q8-inputs", "gpt-oss", "gpt-oss-q8-experts"]
+PER_LAYER = ["gemma4", "gemma4-q8-inputs", "gemma4-moe", "gpt-oss", "gpt-oss-q8-experts"]
 
 
 def kernel(name: str) -> str:
@@ -486,7 +495,7 @@ def test_stack_decoding_and_speculation_are_the_python_layers_tokens(name: str, 
     assert got.ids == truth
 
 
-def test_gemma4_stack_steps_aside_for_experts(root: Path) -> None:
+def test_gemma4_stack_steps_aside_for_float_experts(root: Path) -> None:
     moe = make_tiny_hf_model(root, "gemma4_text", seed=4, name="gemma4-moe-native", **GEMMA4_MOE)
-    q8 = load_model(str(gemma4_to_gguf(moe, root / "gemma4-moe-native.gguf", GEMMA4_Q8)), dtype="auto", max_context=256)
-    assert torch.inference_mode()(q8.model._native.get)(torch.zeros(1, 1)) is None  # routed experts: Python layers
+    q8 = load_model(str(gemma4_to_gguf(moe, root / "gemma4-moe-float.gguf", GEMMA4_Q8)), dtype="auto", max_context=256)
+    assert torch.inference_mode()(q8.model._native.get)(torch.zeros(1, 1)) is None  # float32 experts: Python layers

@@ -150,22 +150,34 @@ struct ExpertBlock {
   bool renormalize;
   int64_t top_k;
   std::vector<std::vector<WeightSpec>> experts;  // [gate, up, down] each
-  int64_t activation;  // 0: silu(gate) * up; 1: GPT-OSS's clamped swiglu (alpha, limit)
+  int64_t activation;  // 0: silu(gate) * up; 1: GPT-OSS's clamped swiglu (alpha, limit); 2: tanh-gelu(gate) * up
   double alpha, limit;
   int64_t row_lanes;
   std::vector<WeightSpec> shared;  // [gate, up, down] or empty
   Proj shared_gate;                // (used where shared_gate.w or .q8 is set)
+  // Gemma 4's router: its input normed without a weight (norm_eps), times router_scale [H] and
+  // router_root, and each chosen expert's weight times expert_scale [E]
+  OptTensor router_scale, expert_scale;
+  double router_root, norm_eps;
 
   torch::Tensor activate(const torch::Tensor& gate, const torch::Tensor& up) const {
     if (activation == 0) return at::silu(gate) * up;
+    if (activation == 2) return at::gelu(gate, "tanh") * up;
     const torch::Tensor g = at::clamp(gate, c10::nullopt, limit);
     const torch::Tensor u = at::clamp(up, -limit, limit);
     return (u + 1) * (g * rowwise(g * alpha, row_lanes, [](const torch::Tensor& t) { return at::sigmoid(t); }));
   }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  torch::Tensor operator()(const torch::Tensor& x) const { return (*this)(x, x); }
+
+  // the router reads r, the experts x (Gemma 4: the layer's input and its second pre-feedforward norm)
+  torch::Tensor operator()(const torch::Tensor& r, const torch::Tensor& x) const {
     const int64_t T = x.size(0), H = x.size(1), k = top_k;
-    const torch::Tensor logits = router(x);
+    torch::Tensor logits;
+    if (router_scale.has_value())
+      logits = router(r * at::rsqrt(r.pow(2).mean(-1, true) + norm_eps) * *router_scale * router_root);
+    else
+      logits = router(r);
     torch::Tensor weights, chosen;
     if (routing == 0) {
       std::tie(weights, chosen) = at::topk(at::softmax(logits, -1), k, -1);
@@ -175,6 +187,7 @@ struct ExpertBlock {
       std::tie(top, chosen) = at::topk(logits, k, -1);
       weights = at::softmax(top, -1);
     }
+    if (expert_scale.has_value()) weights = weights * expert_scale->index({chosen});
     // each chosen expert's slots (row * k + rank), experts in the order they first appear
     const auto ch = chosen.contiguous();
     const int64_t* cp = ch.data_ptr<int64_t>();
@@ -380,7 +393,7 @@ class HybridStack {
 // layers with their own head sizes and RoPE tables, KV-sharing layers that only read, norms after
 // attention and MLP, the tanh-GELU MLP, per-layer inputs, a per-layer scalar) in one native call per
 // pass, with the Python layers' own kernels and torch ops: bitwise their results
-// (tests/test_native_stack.py). Layers with routed experts are not taken (the 26B-A4B's run in Python).
+// (tests/test_native_stack.py); the 26B-A4B's routed experts beside the MLP through ExpertBlock.
 class Gemma4Stack {
  public:
   Gemma4Stack(double eps, int64_t row_lanes) : eps_(eps), row_lanes_(row_lanes) {}
@@ -392,15 +405,16 @@ class Gemma4Stack {
                  int64_t head_dim, int64_t window, double scale, torch::Tensor cos, torch::Tensor sin, WeightSpec o,
                  std::vector<WeightSpec> gate_up, WeightSpec down, std::optional<WeightSpec> input_gate_q8,
                  OptTensor input_gate_w, std::optional<WeightSpec> input_proj_q8, OptTensor input_proj_w,
-                 OptTensor input_norm, torch::Tensor scalar) {
-    TORCH_CHECK(norms.size() == 4, "a Gemma 4 layer has four norms");
+                 OptTensor input_norm, torch::Tensor scalar, std::optional<ExpertBlock> experts) {
+    TORCH_CHECK(norms.size() == (experts.has_value() ? 7u : 4u),
+                "a Gemma 4 layer has four norms (seven with routed experts)");
     TORCH_CHECK(k.has_value() || !v.has_value(), "a layer reading shared keys has no value projection");
     layers_.push_back({std::move(norms), std::move(q), std::move(k), std::move(v), std::move(q_norm),
                        std::move(k_norm), heads, kv_heads, head_dim, window, scale, std::move(cos), std::move(sin),
                        std::move(o), std::move(gate_up), std::move(down),
                        Proj{std::move(input_gate_q8), std::move(input_gate_w)},
                        Proj{std::move(input_proj_q8), std::move(input_proj_w)}, std::move(input_norm),
-                       std::move(scalar)});
+                       std::move(scalar), std::move(experts)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -436,7 +450,11 @@ class Gemma4Stack {
                                       sliding ? window_slots : slots, sliding ? window_offsets : offsets, k, v);
       x = x + qd_api::rms_norm(qd_api::linear_multi(att, {L.o})[0], L.norms[1], eps_);
       const auto gu = qd_api::linear_multi(qd_api::rms_norm(x, L.norms[2], eps_), L.gate_up);
-      const torch::Tensor m = qd_api::linear_multi(at::gelu(gu[0], "tanh") * gu[1], {L.down})[0];
+      torch::Tensor m = qd_api::linear_multi(at::gelu(gu[0], "tanh") * gu[1], {L.down})[0];
+      if (L.experts.has_value()) {  // routed experts beside the MLP, from the same input
+        const torch::Tensor routed = (*L.experts)(x, qd_api::rms_norm(x, L.norms[4], eps_));
+        m = qd_api::rms_norm(m, L.norms[5], eps_) + qd_api::rms_norm(routed, L.norms[6], eps_);
+      }
       x = x + qd_api::rms_norm(m, L.norms[3], eps_);
       if (L.input_norm.has_value()) {
         TORCH_CHECK(layer_inputs.has_value(), "a Gemma 4 stack with per-layer inputs needs them");
@@ -463,6 +481,7 @@ class Gemma4Stack {
     Proj input_gate, input_proj;
     OptTensor input_norm;
     torch::Tensor scalar;
+    std::optional<ExpertBlock> experts;
   };
 
   // tanh-GELU of x [T, n] with each row padded to a multiple of row_lanes_ (quickdraft.models.moe.rowwise)
@@ -552,18 +571,22 @@ void register_decode(pybind11::module& m) {
                              bool renormalize, int64_t top_k, std::vector<std::vector<WeightSpec>> experts,
                              int64_t activation, double alpha, double limit, int64_t row_lanes,
                              std::vector<WeightSpec> shared, std::optional<WeightSpec> shared_gate_q8,
-                             OptTensor shared_gate_w) {
+                             OptTensor shared_gate_w, OptTensor router_scale, OptTensor expert_scale,
+                             double router_root, double norm_eps) {
              for (const auto& e : experts) TORCH_CHECK(e.size() == 3, "an expert is [gate, up, down]");
              TORCH_CHECK(shared.empty() || shared.size() == 3, "a shared expert is [gate, up, down]");
              TORCH_CHECK(router_q8.has_value() || router_w.has_value(), "routed experts need a router");
              return ExpertBlock{Proj{std::move(router_q8), std::move(router_w), std::move(router_b)}, routing,
                                 renormalize, top_k, std::move(experts), activation, alpha, limit, row_lanes,
-                                std::move(shared), Proj{std::move(shared_gate_q8), std::move(shared_gate_w), c10::nullopt}};
+                                std::move(shared), Proj{std::move(shared_gate_q8), std::move(shared_gate_w), c10::nullopt},
+                                std::move(router_scale), std::move(expert_scale), router_root, norm_eps};
            }),
            pybind11::arg("router_q8"), pybind11::arg("router_w"), pybind11::arg("router_b"), pybind11::arg("routing"),
            pybind11::arg("renormalize"), pybind11::arg("top_k"), pybind11::arg("experts"), pybind11::arg("activation"),
            pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("row_lanes"), pybind11::arg("shared"),
-           pybind11::arg("shared_gate_q8"), pybind11::arg("shared_gate_w"));
+           pybind11::arg("shared_gate_q8"), pybind11::arg("shared_gate_w"), pybind11::arg("router_scale") = pybind11::none(),
+           pybind11::arg("expert_scale") = pybind11::none(), pybind11::arg("router_root") = 1.0,
+           pybind11::arg("norm_eps") = 0.0);
 
   pybind11::class_<GptOssStack>(m, "GptOssStack")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double>(),
@@ -605,7 +628,7 @@ void register_decode(pybind11::module& m) {
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("o"), pybind11::arg("gate_up"),
            pybind11::arg("down"), pybind11::arg("input_gate_q8"), pybind11::arg("input_gate_w"),
            pybind11::arg("input_proj_q8"), pybind11::arg("input_proj_w"), pybind11::arg("input_norm"),
-           pybind11::arg("scalar"))
+           pybind11::arg("scalar"), pybind11::arg("experts") = pybind11::none())
       .def("num_layers", &Gemma4Stack::num_layers)
       .def("run", &Gemma4Stack::run, "(hidden [T, H], captured layer inputs) for one pass",
            pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("positions"),

@@ -48,9 +48,12 @@ from quickdraft.models.forward_pass import Step
 from quickdraft.models.gemma3 import FULL, GGUF_NORM_NAMES, SLIDING, GemmaMLP, is_sliding
 from quickdraft.models.layers import Attention, Rope, embedding, linear_group
 from quickdraft.models.moe import (
+    GELU_TANH,
     ROW_LANES,
+    RouterScales,
     check_moe_config,
     convert_expert_layouts,
+    experts_block,
     mix_experts,
     route,
     rowwise,
@@ -444,8 +447,8 @@ class _Backbone(nn.Module):
 
 
 def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
-    """Gemma 4's native stack for these layers, or None where it does not apply: no routed experts,
-    every attention and MLP matrix a q8 GGML block (the per-layer input projections may be float32),
+    """Gemma 4's native stack for these layers, or None where it does not apply: every attention, MLP
+    and expert matrix a q8 GGML block (the per-layer input projections and the router may be float32),
     fp32 norms and RoPE tables."""
     mod = active_kernels()
     layers = [m for m in modules if isinstance(m, DecoderLayer)]
@@ -469,7 +472,19 @@ def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
         a, mlp = layer.self_attn, layer.mlp
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm]
-        if layer.router is not None or type(a) is not Gemma4Attention or type(mlp) is not GemmaMLP \
+        experts = None
+        if layer.router is not None:  # routed experts beside the MLP (26B-A4B)
+            r = layer.router
+            norms += [layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_1,
+                      layer.post_feedforward_layernorm_2]
+            if type(r.norm) is not PlainRMSNorm or not all(type(e) is GemmaMLP for e in layer.experts) \
+                    or not on_cpu_fp32(r.scale, r.per_expert_scale):
+                return None
+            experts = experts_block(layer.experts, r.proj, "softmax_topk", True, r.top_k, GELU_TANH,
+                                    scales=RouterScales(r.scale, r.per_expert_scale, r.root, r.norm.eps))
+            if experts is None:
+                return None
+        if type(a) is not Gemma4Attention or type(mlp) is not GemmaMLP \
                 or a.q_norm is None or not norm_ok(*norms, a.q_norm) or not a.native or a.hd % 8 or type(a.v_norm) is not PlainRMSNorm \
                 or a.v_norm.eps != eps or not on_cpu_fp32(a.rope.cos, layer.layer_scalar):
             return None
@@ -499,7 +514,7 @@ def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
             [n.weight.detach() for n in norms], q, k, v, a.q_norm.weight.detach(),
             None if a.k_norm is None else a.k_norm.weight.detach(), a.nh, a.nkv, a.hd, a.window or 0, float(a.scale),
             a.rope.cos.contiguous(), a.rope.sin.contiguous(), o, gate_up, down, gate_q8, gate_w, proj_q8, proj_w,
-            input_norm, layer.layer_scalar.detach())
+            input_norm, layer.layer_scalar.detach(), experts)
     if len(windows) > 1:
         return None
     return PerLayerCacheStack(stack, next(iter(windows), None), layer_inputs=True)

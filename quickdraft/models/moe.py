@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -45,7 +46,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.layers import MLP, linear_grouped
-from quickdraft.models.native import WeightSpec, float_rows, weight_spec
+from quickdraft.models.native import WeightSpec, float_rows, weight_spec, weight_specs
 from quickdraft.quant.ggml import active_kernels
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_input")
@@ -189,45 +190,69 @@ def _grouped_mlps(mlps: list[nn.Module], slots: list[list[int]], x: torch.Tensor
     return ys.index_copy_(0, order, torch.cat([d[0] for d in down]).to(x.dtype))
 
 
-def expert_block(moe: nn.Module, swiglu: tuple[float, float] | None = None) -> Any | None:
-    """``moe`` (a :class:`SparseMoE`) as the kernels' ``ExpertBlock`` for a native stack, or None
-    where it does not apply: softmax routings, every expert (and the shared one) a gated MLP of q8
-    GGML blocks, the router and the shared expert's gate a float32 Linear or q8 blocks.
-    ``swiglu``: GPT-OSS's (alpha, limit) activation instead of silu(gate) * up."""
+# What an ExpertBlock's experts compute from gate and up (the kernels' activation ids)
+SILU, SWIGLU_CLAMPED, GELU_TANH = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RouterScales:
+    """Gemma 4's router: its input normed without a weight (``eps``), times ``scale`` [H] and ``root``;
+    each chosen expert's weight times ``per_expert`` [E]."""
+
+    scale: torch.Tensor
+    per_expert: torch.Tensor
+    root: float
+    eps: float
+
+
+def experts_block(experts: Iterable[nn.Module], router: nn.Module, routing: str, renormalize: bool, top_k: int,
+                  activation: int = SILU, swiglu: tuple[float, float] = (0.0, 0.0), shared: nn.Module | None = None,
+                  shared_gate: nn.Module | None = None, scales: RouterScales | None = None) -> Any | None:
+    """Routed experts as the kernels' ``ExpertBlock`` for a native stack (the same ops as
+    :class:`SparseMoE` / :func:`mix_experts`), or None where it does not apply: a softmax routing,
+    every expert (and the shared one) a gated MLP of q8 GGML blocks, the router and the shared
+    expert's gate a float32 Linear or q8 blocks."""
     mod = active_kernels()
-    if mod is None or type(moe) is not SparseMoE or moe.routing not in ("softmax_topk", "topk_softmax"):
+    if mod is None or routing not in ("softmax_topk", "topk_softmax"):
         return None
-    experts: list[list[WeightSpec]] = []
-    for e in moe.experts:
-        if not isinstance(e, MLP) or (swiglu is None and type(e) is not MLP):
+    specs: list[list[WeightSpec]] = []
+    for e in experts:
+        if not isinstance(e, MLP) or (s := weight_specs(e.gate_proj, e.up_proj, e.down_proj)) is None:
             return None
-        specs = [weight_spec(m) for m in (e.gate_proj, e.up_proj, e.down_proj)]
-        if any(s is None for s in specs):
-            return None
-        experts.append(specs)  # type: ignore[arg-type]
-    router_q8 = weight_spec(moe.gate)
-    router = None if router_q8 is not None else float_rows(moe.gate, bias=True)
-    if router_q8 is None and router is None:
+        specs.append(s)
+    router_q8 = weight_spec(router)
+    rows = None if router_q8 is not None else float_rows(router, bias=True)
+    if router_q8 is None and rows is None:
         return None
-    shared: list[WeightSpec] = []
+    shared_specs: list[WeightSpec] = []
     gate_q8 = gate_w = None
-    if moe.shared_expert is not None:
-        se = moe.shared_expert
-        specs = [weight_spec(m) for m in (se.gate_proj, se.up_proj, se.down_proj)]
-        if type(se) is not MLP or any(s is None for s in specs):
+    if shared is not None:
+        if type(shared) is not MLP or (ss := weight_specs(shared.gate_proj, shared.up_proj, shared.down_proj)) is None:
             return None
-        shared = specs  # type: ignore[assignment]
-        if moe.shared_expert_gate is not None:
-            gate_q8 = weight_spec(moe.shared_expert_gate)
-            if gate_q8 is None and (g := float_rows(moe.shared_expert_gate)) is not None:
+        shared_specs = ss
+        if shared_gate is not None:
+            gate_q8 = weight_spec(shared_gate)
+            if gate_q8 is None and (g := float_rows(shared_gate)) is not None:
                 gate_w = g[0]
             if gate_q8 is None and gate_w is None:
                 return None
-    alpha, limit = swiglu or (0.0, 0.0)
+    extra = {} if scales is None else {"router_scale": scales.scale.detach(), "expert_scale": scales.per_expert.detach(),
+                                       "router_root": float(scales.root), "norm_eps": float(scales.eps)}
     return mod.ExpertBlock(
-        router_q8, None if router is None else router[0], None if router is None else router[1],
-        0 if moe.routing == "softmax_topk" else 1, bool(moe.renormalize), moe.top_k, experts,
-        0 if swiglu is None else 1, float(alpha), float(limit), ROW_LANES, shared, gate_q8, gate_w)
+        router_q8, None if rows is None else rows[0], None if rows is None else rows[1],
+        0 if routing == "softmax_topk" else 1, bool(renormalize), top_k, specs, activation, float(swiglu[0]),
+        float(swiglu[1]), ROW_LANES, shared_specs, gate_q8, gate_w, **extra)
+
+
+def expert_block(moe: nn.Module, swiglu: tuple[float, float] | None = None) -> Any | None:
+    """``moe`` (a :class:`SparseMoE`) as :func:`experts_block` takes it; None where it is not one.
+    ``swiglu``: GPT-OSS's (alpha, limit) activation instead of silu(gate) * up (every expert a plain
+    gated MLP otherwise)."""
+    if type(moe) is not SparseMoE or (swiglu is None and any(type(e) is not MLP for e in moe.experts)):
+        return None
+    return experts_block(moe.experts, moe.gate, moe.routing, moe.renormalize, moe.top_k,
+                         SILU if swiglu is None else SWIGLU_CLAMPED, swiglu or (0.0, 0.0),
+                         moe.shared_expert, moe.shared_expert_gate)
 
 
 _STACKED = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.(weight|bias))?")
