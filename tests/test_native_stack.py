@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from helpers import generate
+from helpers import GREEDY, MB, check_together_equals_alone, generate, run, tokens
 from tiny import (
     GEMMA4_MOE,
     gemma4_to_gguf,
@@ -21,11 +21,13 @@ from tiny import (
     qwen3_5_to_gguf,
 )
 
+from quickdraft.engine import Engine
 from quickdraft.loading.load import LoadedModel, load_model
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS, NATIVE_CHAIN_ROWS, Linear
 from quickdraft.models.causal_lm import CausalLM
 from quickdraft.models.native import DenseStack, PerLayerCacheStack
 from quickdraft.models.qwen3_5 import HybridStack
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.quant.ggml import GGMLLinear, kernels_active, reference_mode, set_activation_mode
 from quickdraft.speculative.ngram import NGramDrafter
 
@@ -493,6 +495,23 @@ def test_stack_decoding_and_speculation_are_the_python_layers_tokens(name: str, 
         assert generate(loaded, prompt, max_tokens=20, ignore_eos=True).ids == truth
     got = generate(loaded, prompt, NGramDrafter(max_ngram=3, min_ngram=1), 4, max_tokens=20, ignore_eos=True)
     assert got.ids == truth
+
+
+@pytest.mark.parametrize("name", list(STACK_MODELS))
+def test_stack_pooled_rows_and_a_warm_cache_equal_alone(name: str, root: Path) -> None:
+    """On each family's stack: requests stepped together (rows of several sequences in one pass, each
+    continuing its own lane's keys, values and recurrent state) answer as each alone, and a
+    conversation's next turn from the prefix cache answers as a cold run."""
+    loaded = tiny(root, name)
+    check_together_equals_alone(loaded, 4, 2)
+    assert loaded.model._native._stack is not None
+    vocab = loaded.config.vocab_size
+    engine = Engine(loaded.model, loaded.tokenizer, prefix_cache=PrefixCache(64 * MB))
+    history = tokens(1, 100, vocab)
+    turn2 = history + run(engine, history, None, 0, GREEDY).ids + tokens(2, 20, vocab)
+    warm = run(engine, turn2, None, 0, GREEDY)
+    assert engine.prefix_cache.stats.cached_tokens > 0
+    assert warm.ids == run(Engine(loaded.model, loaded.tokenizer), turn2, None, 0, GREEDY).ids
 
 
 def test_gemma4_stack_steps_aside_for_float_experts(root: Path) -> None:
