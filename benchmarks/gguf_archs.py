@@ -50,6 +50,8 @@ read the same file:
 Layer kinds with fewer layers than the release: Qwen3.5's every 4th is full attention (``--layers
 4``: 3 Gated DeltaNet + 1 full); Gemma 4 26B-A4B's every 6th and the last.
 
+quickdraft first picks this machine's kernel settings on the file as a user's first start does
+(``quickdraft.kernels.tuning``: kept per file in the cache, the choice printed and saved).
 Measured, alternating the two engines ``--rounds`` times: quickdraft's decode tokens/s (``dtype
 auto``: the blocks kept, q8 activations, plain greedy, after a 64-token prompt) and llama.cpp's
 ``llama-bench -p 0 -n N`` (tg, same threads); prefill: quickdraft's time to the first token of a
@@ -743,6 +745,12 @@ def main() -> None:
     t0 = time.perf_counter()
     loaded = load_model(str(path), max_context=max(512, args.prefill + 64))
     print(f"quickdraft loaded it in {time.perf_counter() - t0:.1f} s: {loaded.config.layer_pattern()}")
+    from quickdraft.kernels.tuning import tune as tune_kernels
+
+    choice = tune_kernels(loaded.model, loaded.path, print)  # the kernels a user's first start picks (kept)
+    kernels_line = choice.line() if choice is not None else None
+    if kernels_line:
+        print(kernels_line)
     opponents = {name: binary for name, binary in (("llama.cpp", args.llama_bench),
                                                    ("ik_llama.cpp", args.ik_llama_bench)) if binary.is_file()}
     runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "quickdraft prefill": []}
@@ -821,7 +829,7 @@ def main() -> None:
                                "runs": runs, "median": med, "pass_ratios": passes, "mtp": mtp,
                                "assistant": assistant,
                                "step_bytes": step_bytes, "memory": memory, "read_probe_gbs": probe, "decode_gbs": bandwidth,
-                               "auto_tau": taus}, indent=1))
+                               "auto_tau": taus, "kernels": kernels_line}, indent=1))
     print(f"saved {out}")
 
 
