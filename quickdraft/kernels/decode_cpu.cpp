@@ -458,7 +458,9 @@ class Gemma4Stack {
       x = x + qd_api::rms_norm(m, L.norms[3], eps_);
       if (L.input_norm.has_value()) {
         TORCH_CHECK(layer_inputs.has_value(), "a Gemma 4 stack with per-layer inputs needs them");
-        const torch::Tensor g = gelu_rowwise(L.input_gate(x)) * layer_inputs->select(1, i);
+        const torch::Tensor g =
+            rowwise(L.input_gate(x), row_lanes_, [](const torch::Tensor& t) { return at::gelu(t, "tanh"); }) *
+            layer_inputs->select(1, i);
         x = x + qd_api::rms_norm(L.input_proj(g), *L.input_norm, eps_);
       }
       return x * L.scalar;
@@ -483,13 +485,6 @@ class Gemma4Stack {
     torch::Tensor scalar;
     std::optional<ExpertBlock> experts;
   };
-
-  // tanh-GELU of x [T, n] with each row padded to a multiple of row_lanes_ (quickdraft.models.moe.rowwise)
-  torch::Tensor gelu_rowwise(const torch::Tensor& x) const {
-    const int64_t n = x.size(-1);
-    if (n % row_lanes_ == 0) return at::gelu(x, "tanh");
-    return at::gelu(at::constant_pad_nd(x, {0, row_lanes_ - n % row_lanes_}, 0), "tanh").narrow(-1, 0, n);
-  }
 
   std::vector<Layer> layers_;
   double eps_;

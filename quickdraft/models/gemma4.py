@@ -61,7 +61,7 @@ from quickdraft.models.moe import (
 from quickdraft.models.native import (
     PerLayerCacheStack,
     WeightSpec,
-    float_rows,
+    float_weight,
     on_cpu_fp32,
     weight_spec,
 )
@@ -462,10 +462,6 @@ def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
     def q8(m: nn.Module | None) -> WeightSpec | None:
         return None if m is None else weight_spec(m)
 
-    def weight_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear's weight
-        rows = float_rows(m)
-        return None if rows is None else rows[0]
-
     stack = mod.Gemma4Stack(float(eps), ROW_LANES)
     windows = set()
     for layer in layers:
@@ -503,8 +499,8 @@ def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
             if not norm_ok(layer.post_per_layer_input_norm):
                 return None
             gate_q8, proj_q8 = q8(layer.per_layer_input_gate), q8(layer.per_layer_projection)
-            gate_w = None if gate_q8 is not None else weight_rows(layer.per_layer_input_gate)
-            proj_w = None if proj_q8 is not None else weight_rows(layer.per_layer_projection)
+            gate_w = None if gate_q8 is not None else float_weight(layer.per_layer_input_gate)
+            proj_w = None if proj_q8 is not None else float_weight(layer.per_layer_projection)
             if (gate_q8 is None and gate_w is None) or (proj_q8 is None and proj_w is None):
                 return None
             input_norm = layer.post_per_layer_input_norm.weight.detach()

@@ -13,6 +13,7 @@ from C++) and only removes the interpreter's per-op cost (~5 ms of a 36 ms decod
 Qwen2.5-Coder-1.5B; ~16 ms of 64 on Qwen3.5-0.8B). Anything else (other layer types, f32
 activations, bf16 weights, CUDA, training) runs the Python layers as before.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -58,10 +59,15 @@ def float_rows(m: nn.Module, bias: bool = False) -> tuple[torch.Tensor, torch.Te
     ``bias`` is False, or has 2-3 outputs (which ``blocked_linear`` pads)."""
     if type(m) is not Linear or (m.bias is not None and not bias) or 1 < m.out_features < 4:
         return None
-    ts = [m.weight] + ([m.bias] if m.bias is not None else [])
-    if not all(t.dtype == torch.float32 and t.is_cpu for t in ts):
+    if not on_cpu_fp32(m.weight, *([m.bias] if m.bias is not None else [])):
         return None
     return m.weight.detach(), None if m.bias is None else m.bias.detach()
+
+
+def float_weight(m: nn.Module) -> torch.Tensor | None:
+    """The weight of a bias-free float32 Linear as :func:`float_rows` takes it, or None."""
+    rows = float_rows(m)
+    return None if rows is None else rows[0]
 
 
 def on_cpu_fp32(*ts: torch.Tensor) -> bool:

@@ -56,7 +56,7 @@ from quickdraft.models.moe import (
     convert_expert_layouts,
     expert_block,
 )
-from quickdraft.models.native import WeightSpec, float_rows, on_cpu_fp32, weight_specs
+from quickdraft.models.native import WeightSpec, float_weight, on_cpu_fp32, weight_specs
 from quickdraft.models.phi3 import PartialRope
 from quickdraft.quant.ggml import active_kernels
 
@@ -458,10 +458,6 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
     def norm_ok(*ns: nn.Module | None) -> bool:
         return all(type(n) is GemmaRMSNorm and n.eps == eps and on_cpu_fp32(n.weight) for n in ns)
 
-    def weight_rows(m: nn.Module) -> torch.Tensor | None:  # a bias-free float32 Linear's weight
-        rows = float_rows(m)
-        return None if rows is None else rows[0]
-
     attn0 = next((layer.self_attn for layer in layers if not layer.linear), None)
     heads = (attn0.nh, attn0.nkv, attn0.hd, attn0.scale, attn0.window) if attn0 is not None else (1, 1, 8, 1.0, None)
     stack = mod.HybridStack(rope.cos.contiguous(), rope.sin.contiguous(), float(eps), heads[0], heads[1], heads[2],
@@ -489,7 +485,7 @@ def build_hybrid_stack(modules: nn.ModuleList, rope: Rope) -> HybridStack | None
             proj, out = weight_specs(d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a), weight_specs(d.out_proj)
             b_w = a_w = None
             if proj is None:  # b and a float32 (as llama.cpp's quantizer leaves them)
-                proj, b_w, a_w = weight_specs(d.in_proj_qkv, d.in_proj_z), weight_rows(d.in_proj_b), weight_rows(d.in_proj_a)
+                proj, b_w, a_w = weight_specs(d.in_proj_qkv, d.in_proj_z), float_weight(d.in_proj_b), float_weight(d.in_proj_a)
                 if proj is None or b_w is None or a_w is None:
                     return None
             if out is None or not d.conv1d.weight.is_contiguous():
