@@ -113,6 +113,8 @@ OUT = Path(__file__).parent / "results" / "gguf_archs"
 DEFAULT_BENCH = Path.home() / ".cache/quickdraft/llamacpp-native/bin/llama-bench"
 # the fork ikawrakow/ik_llama.cpp, built on this machine (see --ik-llama-bench)
 DEFAULT_IK_BENCH = Path.home() / ".cache/quickdraft/ik_llama/build/bin/llama-bench"
+# llama.cpp built for AVX2 only (what a user's build is on an AVX2 CPU; see --llama-bench-avx2)
+DEFAULT_AVX2_BENCH = Path.home() / ".cache/quickdraft/llamacpp-avx2/build/bin/llama-bench"
 
 
 def random_blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator, lead: tuple[int, ...] = ()) -> np.ndarray:
@@ -703,6 +705,11 @@ def main() -> None:
     ap.add_argument("--ik-llama-bench", type=Path, default=DEFAULT_IK_BENCH,
                     help="a second opponent: llama-bench of the fork ikawrakow/ik_llama.cpp built on this machine "
                          "(skipped where the file is absent or the build cannot run the family)")
+    ap.add_argument("--llama-bench-avx2", type=Path, default=None,
+                    help="one more opponent: llama.cpp's llama-bench built for AVX2 only (cmake -DGGML_NATIVE=OFF "
+                         "-DGGML_AVX2=ON -DGGML_AVX512=OFF ...), llama.cpp as an AVX2 CPU runs it; the side-by-side "
+                         "for QUICKDRAFT_ISA=avx2 (default: " + str(DEFAULT_AVX2_BENCH) + " when QUICKDRAFT_ISA=avx2 "
+                         "is set and the file exists)")
     ap.add_argument("--file", type=Path, default=None, help="where to write the random GGUF (default: /tmp)")
     ap.add_argument("--vocab", default="real",
                     help="rows of the embedding and output head: real (the released model's), tiny (the tests' "
@@ -751,8 +758,12 @@ def main() -> None:
     kernels_line = choice.line() if choice is not None else None
     if kernels_line:
         print(kernels_line)
+    avx2_bench = args.llama_bench_avx2 or (DEFAULT_AVX2_BENCH if os.environ.get("QUICKDRAFT_ISA") == "avx2"
+                                           else None)
     opponents = {name: binary for name, binary in (("llama.cpp", args.llama_bench),
-                                                   ("ik_llama.cpp", args.ik_llama_bench)) if binary.is_file()}
+                                                   ("ik_llama.cpp", args.ik_llama_bench),
+                                                   ("llama.cpp AVX2", avx2_bench))
+                 if binary is not None and binary.is_file()}
     runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "quickdraft prefill": []}
     for name in opponents:
         runs[name], runs[f"{name} prefill"] = [], []
