@@ -43,7 +43,7 @@ from quickdraft.constraints import Constraint, apply_mask
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.forward_pass import RowSlots
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.models.graphs import make_step_graphs
 from quickdraft.prefix_cache import PrefixCache, as_ids, common_prefix
 from quickdraft.sampling import (
@@ -579,11 +579,10 @@ class Engine:
         positions = torch.cat([p.positions for p in parts])
         lanes = [p.gen.cache for p in parts for _ in range(p.rows)]  # (recurrent states: each row's sequence)
         rows = RowSlots(slots, self.pool.slot_positions(positions), lanes)
-        logit_rows = torch.cat([torch.arange(p.offset + p.logit_from, p.offset + p.rows, device=self.device)
-                                for p in parts])
+        logit_rows = [r for p in parts for r in range(p.offset + p.logit_from, p.offset + p.rows)]
         ids = torch.cat([p.ids for p in parts])
-        logits, captured = self.model(ids, self.pool.buffer, positions=positions, capture=capture, rows=rows,
-                                      logit_rows=logit_rows)
+        step = Step.reserve(self.pool.buffer, ids.shape[0], positions, rows=rows, outputs=logit_rows)
+        logits, captured = self.model.run(ids, step, capture)
         out = []
         at = 0
         for p in parts:
@@ -608,7 +607,9 @@ class Engine:
             out = self.graphs.run(ids, positions, mask, capture, rows)
             if out is not None:
                 return out
-        return self.model(ids, cache, positions=positions, mask=mask, capture=capture, num_logits=rows)
+        t = ids.shape[0]
+        outputs = None if rows is None else list(range(t - rows, t))
+        return self.model.run(ids, Step.reserve(cache, t, positions, mask=mask, outputs=outputs), capture)
 
     def _keep(self, part: _Part, rows: torch.Tensor, leading: bool) -> None:
         """Keep the part's rows ``rows`` [n] (increasing) in its generation's cache, in that order;

@@ -23,6 +23,8 @@ from tiny import reference_logits
 
 from quickdraft.engine import Engine, Generation, RequestStats, StepOutput
 from quickdraft.loading.load import LoadedModel, load_model
+from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
@@ -754,3 +756,12 @@ def bench_script(name: str) -> Any:
     sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def model_pass(
+    model: CausalLM, ids: torch.Tensor, cache: Any, positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None, rows: RowSlots | None = None, capture: Sequence[int] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One pass of ``model`` over ``ids`` into the next slots of ``cache``, a tree (``mask``) or rows
+    of several sequences (``rows``): the engine's way (:meth:`CausalLM.run` of a reserved Step)."""
+    return model.run(ids, Step.reserve(cache, ids.shape[0], positions, mask=mask, rows=rows), capture)

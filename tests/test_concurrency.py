@@ -23,6 +23,7 @@ from helpers import (
     Request,
     alone,
     check_together_equals_alone,
+    model_pass,
     request_drafter,
     requests,
     run_to_end,
@@ -34,7 +35,7 @@ from quickdraft.cache import KVPool
 from quickdraft.engine import Engine, Generation
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.load import LoadedModel, load_model
-from quickdraft.models.forward_pass import RowSlots
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.metrics import ServerMetrics
@@ -204,7 +205,7 @@ def test_rows_of_several_sequences_in_one_pass_equal_each_alone(model: LoadedMod
         m.prefill(torch.tensor(ctx), cache)
         start = cache.length
         if i == 2:
-            logits, _ = m(ids, cache, positions=tree_positions(start, tree, m.device), mask=tree_mask(start, tree, m.device))
+            logits, _ = model_pass(m, ids, cache, tree_positions(start, tree, m.device), tree_mask(start, tree, m.device))
         else:
             logits, _ = m(ids, cache)
         solo_logits.append(logits)
@@ -228,7 +229,7 @@ def test_rows_of_several_sequences_in_one_pass_equal_each_alone(model: LoadedMod
         offset += len(ids)
     pos = torch.cat(positions)
     pool.begin_pass(offset)
-    logits, _ = m(torch.cat(new), pool.buffer, positions=pos, rows=RowSlots(slots, pool.slot_positions(pos)))
+    logits, _ = model_pass(m, torch.cat(new), pool.buffer, pos, rows=RowSlots(slots, pool.slot_positions(pos)))
     assert logits.shape == (offset, vocab)
     at = 0
     for i, ids in enumerate(new):
@@ -395,18 +396,18 @@ def test_a_draft_model_under_load_leaves_the_prompt_to_its_first_proposal(model:
 
 
 class PassCounter:
-    """Counts a model's passes on one cache (wraps ``forward``)."""
+    """Counts a model's passes on one cache (wraps ``run``, which every pass goes through)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, cache: object) -> None:
         self.calls: list[int] = []  # rows of each pass on ``cache``
-        forward = model.forward
+        run = model.run
 
-        def counting(ids: torch.Tensor, c: object, *args: Any, **kw: Any) -> Any:
-            if c is cache:
+        def counting(ids: torch.Tensor, step: Step, *args: Any, **kw: Any) -> Any:
+            if step.cache is cache:
                 self.calls.append(int(ids.shape[0]))
-            return forward(ids, c, *args, **kw)
+            return run(ids, step, *args, **kw)
 
-        monkeypatch.setattr(model, "forward", counting)
+        monkeypatch.setattr(model, "run", counting)
 
 
 def test_forked_draft_models_propose_in_one_pass_per_round_bitwise_as_alone(

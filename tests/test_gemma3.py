@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import CONVERSATIONS, SAMPLES, assert_close, generate
+from helpers import CONVERSATIONS, SAMPLES, assert_close, generate, model_pass
 from tiny import hf_to_gguf, load_reference, make_spm_gguf, make_tiny_hf_model, reference_logits
 
 from quickdraft import zoo
@@ -300,7 +300,7 @@ def test_tree_pass_matches_decoding_each_path(tiny: Any) -> None:
     cache = t.model.new_cache()
     t.model(torch.tensor(prefix), cache)
     positions = torch.tensor([start + d for d in depth])
-    tree_logits, _ = t.model(torch.tensor(tokens), cache, positions=positions, mask=mask)
+    tree_logits, _ = model_pass(t.model, torch.tensor(tokens), cache, positions, mask)
     for row in range(n):
         path, node = [], row
         while node != -1:

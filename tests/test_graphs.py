@@ -1,6 +1,6 @@
 """The static-shape pass behind CUDA graphs (quickdraft/models/graphs.py), run eagerly on the CPU.
 
-What a CUDA graph replays is exactly :meth:`CausalLM.forward_static` on fixed input buffers; on
+What a CUDA graph replays is exactly :meth:`CausalLM.run` of a static :class:`Step` on fixed input buffers; on
 the CPU ``StepGraphs(capture=False)`` runs that same pass through the same buffers, so these tests
 cover everything but the capture call itself (``benchmarks/gpu_check.py`` checks that on a GPU):
 the static pass against the normal one (chains, trees, cache contents), greedy output of plain and
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_PROMPT, Case, TreeOracle, check_scripted, make_case
+from helpers import TINY_PROMPT, Case, TreeOracle, check_scripted, make_case, model_pass
 from tiny import make_tiny_hf_model
 
 import quickdraft.engine as engine_mod
@@ -87,7 +87,7 @@ def test_static_pass_equals_the_normal_pass(tiny: LoadedModel) -> None:
     depth = torch.tensor([0, 1, 1, 2])
     passes.append((torch.tensor([12, 13, 14, 15]), start + depth, tree_mask))
     for ids, positions, mask in passes:
-        want, _ = model(ids, a.cache, positions=positions, mask=mask)
+        want, _ = model_pass(model, ids, a.cache, positions, mask)
         got = graphs.run(ids, positions, mask, (), None)
         assert got is not None
         logits, captured = got

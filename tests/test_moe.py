@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_close, check_scripted, make_case
+from helpers import assert_close, check_scripted, make_case, model_pass
 from safetensors.torch import save_file
 from tiny import (
     MOE_CASES,
@@ -413,7 +413,7 @@ def test_llama4_tree_rows_match_chains(tiny: Any) -> None:
             j = parents[j]
     cache = model.new_cache()
     model(torch.tensor(prefix), cache)
-    tree, _ = model(torch.tensor(tokens), cache, positions=positions, mask=mask)
+    tree, _ = model_pass(model, torch.tensor(tokens), cache, positions, mask)
     for branch, rows in zip(branches, ([0, 1, 2, 3], [0, 4, 5, 6]), strict=True):
         cache.truncate(6)
         chain = [model(torch.tensor([tok]), cache)[0][0] for tok in [root_tok, *branch]]

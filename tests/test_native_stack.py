@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from helpers import GREEDY, MB, check_together_equals_alone, generate, run, tokens
+from helpers import GREEDY, MB, check_together_equals_alone, generate, model_pass, run, tokens
 from tiny import (
     GEMMA4_MOE,
     gemma4_to_gguf,
@@ -115,11 +115,11 @@ def both_paths(model: CausalLM, prompt: list[int], ids: list[int], read=kv_slabs
         cache = model.new_cache()
         model(torch.tensor(prompt), cache)
         if native:
-            logits, captured = model(torch.tensor(ids), cache, **kw)
+            logits, captured = model_pass(model, torch.tensor(ids), cache, **kw)
             assert model._native._stack is not None  # the pass ran natively
         else:
             with python_path(model):
-                logits, captured = model(torch.tensor(ids), cache, **kw)
+                logits, captured = model_pass(model, torch.tensor(ids), cache, **kw)
         out.append((logits, captured, *read(cache)))
     return out
 
@@ -258,7 +258,7 @@ def test_a_prefill_pass_of_up_to_native_chain_rows_runs_in_the_stack(
     monkeypatch.setattr(model._native, "get", get)
     ids = torch.tensor([(11 * i + 4) % 250 + 3 for i in range(NATIVE_CHAIN_ROWS)])
     model(ids, model.new_cache())
-    model(ids[:200], model.new_cache(), mask=torch.ones(200, 200, dtype=torch.bool).tril())  # a 200-row tree
+    model_pass(model, ids[:200], model.new_cache(), mask=torch.ones(200, 200, dtype=torch.bool).tril())  # a 200-row tree
     assert asked == [(NATIVE_CHAIN_ROWS, True)]
 
 

@@ -31,6 +31,7 @@ from helpers import (
     generate,
     logits,
     make_case,
+    model_pass,
     request_drafter,
     requests,
     run,
@@ -236,8 +237,7 @@ def test_tree_pass_and_compact_match_decoding_each_path(hybrid: LoadedModel) -> 
     toks = [ids[12], 11, 12, 13, 14]
     cache = hybrid.model.new_cache()
     logits(hybrid, prefix, cache)
-    tree, _ = hybrid.model(torch.tensor(toks), cache, positions=tree_positions(start, draft),
-                           mask=tree_mask(start, draft))
+    tree, _ = model_pass(hybrid.model, torch.tensor(toks), cache, tree_positions(start, draft), tree_mask(start, draft))
     paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 3, 4]}
     for row, path in paths.items():
         assert torch.equal(tree[row], logits(hybrid, prefix + [toks[r] for r in path])[-1]), row

@@ -36,6 +36,7 @@ from helpers import (
     check_scripted,
     generate,
     make_case,
+    model_pass,
     perturbed_copy,
 )
 from tiny import hf_to_gguf, make_tiny_hf_model, write_tokenizer
@@ -747,9 +748,7 @@ def exact_marginals(
     kept = (p1 > 1e-7).nonzero().flatten().tolist()
     for x1 in kept:
         cache.truncate(base)
-        tree, _ = model(
-            torch.cat([torch.tensor([x1]), children]), cache, positions=positions, mask=mask
-        )
+        tree, _ = model_pass(model, torch.cat([torch.tensor([x1]), children]), cache, positions, mask)
         p = probs(tree)  # row 0: p(x2 | x1); row 1 + x2: p(x3 | x1, x2)
         m2 += p1[x1] * p[0]
         m3 += p1[x1] * (p[0] @ p[1:])

@@ -26,7 +26,7 @@ from quickdraft.models.batch_invariance import (
     invariant_pass,
     prefill_chunks,
 )
-from quickdraft.models.forward_pass import RowSlots, Step
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.layers import DecoderLayer, RMSNorm, Rope, allocate_empty, embedding
 from quickdraft.models.native import NativePass, NativeStack, build_stack
 from quickdraft.quant.fp8 import FP8Linear
@@ -132,53 +132,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self,
-        ids: torch.Tensor,
-        cache: SequenceCache,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        capture: Sequence[int] = (),
-        num_logits: int | None = None,
-        rows: RowSlots | None = None,
-        logit_rows: torch.Tensor | None = None,
+        self, ids: torch.Tensor, cache: SequenceCache, positions: torch.Tensor | None = None,
+        capture: Sequence[int] = (), num_logits: int | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run ``ids`` [T] through the model, writing their keys/values into the next T cache slots.
-
-        positions: RoPE positions [T] (default: the slots themselves). mask: [T, start + T] bool for
-        trees (default: causal). rows: each row's visible slots given explicitly instead (a pass
-        over several sequences; at most BLOCKED_MAX_ROWS rows). capture: layer indices whose INPUT
-        hidden state [T, H] is returned (index L = the final norm's input). num_logits: compute
-        logits only for the last n rows (0: none); logit_rows: only for these rows [n].
-        Returns logits [n, V] in float32 and the captured hidden states.
-        """
+        """One chain of ``ids`` [T] on one sequence: :meth:`run` over the next T slots of ``cache``
+        (RoPE ``positions`` [T], default the slots themselves), logits of the last ``num_logits`` rows
+        (None: every row; 0: none, a prefill chunk before the last)."""
         t = ids.shape[0]
-        start, end = cache.reserve(t)
-        device = ids.device
-        if positions is None:
-            positions = torch.arange(start, end, device=device)
-        step = Step.of_pass(cache, start, positions, mask, rows, self.chain_rows)
-        if num_logits is not None:
-            step.outputs = list(range(t - num_logits, t))
-        elif logit_rows is not None:
-            step.outputs = logit_rows.tolist()
-        x = self.embed(ids)  # [T, H]
-        step.layer_inputs = self.layer_inputs(ids, x)
-        # a chain (causal: not a tree, not rows of several sequences) of up to NATIVE_CHAIN_ROWS rows
-        # runs in the native stack too (a prompt's prefill passes of up to 256 rows)
-        chain = not step.tree
-        stack = self._native.get(x) if invariant_pass(t, chain) else None
-        if stack is not None:  # every layer in one native call: bitwise the loop below
-            x, captured = stack.run(x, step, capture)
-        else:
-            x, captured = self._layers(x, step, capture)
-        cache.advance(t)
-        if num_logits == 0:  # a prefill chunk before the last: keys and values only
-            return x.new_zeros(0, self.config.vocab_size, dtype=torch.float32), captured
-        if num_logits is not None:
-            x = x[-num_logits:]
-        elif logit_rows is not None:
-            x = x.index_select(0, logit_rows)
-        return self.logits(x), captured
+        outputs = None if num_logits is None else list(range(t - num_logits, t))
+        return self.run(ids, Step.reserve(cache, t, positions, outputs=outputs), capture)
 
     def prefill(
         self, ids: torch.Tensor, cache: SequenceCache, positions: torch.Tensor | None = None
@@ -193,27 +155,33 @@ class CausalLM(nn.Module):
         return logits
 
     @torch.inference_mode()
-    def forward_static(
-        self,
-        ids: torch.Tensor,
-        cache: SequenceCache,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        mask: torch.Tensor,
-        capture: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """:meth:`forward` with static shapes and no host-side decisions, for CUDA graphs.
-
-        Writes the keys/values of ``ids`` [T] at cache ``slots`` [T] (RoPE ``positions`` [T]) and
-        lets row i attend to slot j of the first L slots where ``mask`` [T, L] is True. Leaves
-        ``cache.length`` alone (the caller advances it). Logits of every row, float32 [T, V].
-        Only for models whose layers take the shared :class:`Step` path (see
-        :func:`quickdraft.models.graphs.supports_static`).
-        """
-        step = Step(positions=positions, start=0, mask=mask, cache=cache, slots=slots)
-        x = self.embed(ids)
+    def run(self, ids: torch.Tensor, step: Step, capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The one forward pass, whatever ``step`` describes (:mod:`quickdraft.models.forward_pass`: a
+        chain, a tree, rows of several sequences, static shapes): ``ids`` [T] through every layer,
+        their keys / values written where ``step`` says (a dynamic pass then advances its cache).
+        capture: layer indices whose INPUT hidden state [T, H] is returned (index L = the final
+        norm's input). Returns float32 logits [n, V] of ``step.outputs`` (every row where None) and
+        the captured hidden states."""
+        t = ids.shape[0]
+        step.chain_rows = self.chain_rows
+        x = self.embed(ids)  # [T, H]
         step.layer_inputs = self.layer_inputs(ids, x)
-        x, captured = self._layers(x, step, capture)
+        # a dynamic chain (causal: not a tree, not rows of several sequences) of up to
+        # NATIVE_CHAIN_ROWS rows runs in the native stack too (a prompt's prefill passes of up to 256 rows)
+        dynamic = step.slots is None
+        stack = self._native.get(x) if dynamic and invariant_pass(t, chain=not step.tree) else None
+        if stack is not None:  # every layer in one native call: bitwise the loop below
+            x, captured = stack.run(x, step, capture)
+        else:
+            x, captured = self._layers(x, step, capture)
+        if dynamic:
+            step.cache.advance(t)
+        rows = step.outputs
+        if rows is not None:
+            if not rows:  # keys and values only
+                return x.new_zeros(0, self.config.vocab_size, dtype=torch.float32), captured
+            tail = rows == list(range(rows[0], t))
+            x = x[rows[0]:] if tail else x.index_select(0, torch.tensor(rows, device=x.device))
         return self.logits(x), captured
 
     def _layers(self, x: torch.Tensor, step: Step, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:

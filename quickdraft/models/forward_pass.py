@@ -204,7 +204,7 @@ class Step:
     # What each row sees, row by row (None: a chain): a tree's rows (from ``mask``, for passes of up to
     # BLOCKED_MAX_ROWS rows) or a pass over rows of several sequences (given, no mask).
     rows: RowSlots | None = None
-    # Static shapes (CUDA graphs, :meth:`CausalLM.forward_static`): the cache slots [T] this pass
+    # Static shapes (CUDA graphs, :meth:`Step.static`): the cache slots [T] this pass
     # writes; ``mask`` is then [T, L] over the first L slots, and no step depends on host values.
     slots: torch.Tensor | None = None
     # What every layer takes besides the hidden state, computed once per pass by
@@ -247,6 +247,29 @@ class Step:
         if mask is None:
             mask = causal_mask(start, t, positions.device)
         return cls(positions=positions, start=start, mask=mask, cache=cache, tree=tree, chain_rows=chain_rows)
+
+    @classmethod
+    def reserve(
+        cls, cache: SequenceCache, t: int, positions: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+        rows: RowSlots | None = None, outputs: list[int] | None = None,
+    ) -> Step:
+        """The pass that writes the next ``t`` slots of ``cache`` (reserved here; the model advances the
+        cache after it): at ``positions`` [t] (default: the slots themselves), a chain, a tree (``mask``)
+        or rows of several sequences (``rows``), as :meth:`of_pass` says; ``outputs``: the rows whose
+        logits the pass returns (None: every row; []: none)."""
+        start, end = cache.reserve(t)
+        if positions is None:
+            positions = torch.arange(start, end, device=cache.device)
+        step = cls.of_pass(cache, start, positions, mask, rows)
+        step.outputs = outputs
+        return step
+
+    @classmethod
+    def static(cls, cache: SequenceCache, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> Step:
+        """A pass with static shapes and no host-side decisions (CUDA graphs): it writes cache ``slots``
+        [T] at ``positions`` [T] and row i sees slot j of the first L slots where ``mask`` [T, L] is True.
+        It leaves ``cache.length`` alone (the caller advances it) and returns every row's logits."""
+        return cls(positions=positions, start=0, mask=mask, cache=cache, slots=slots)
 
     def backend(self, q: torch.Tensor) -> AttentionBackend:
         """The attention backend of this pass (chosen at its first attention layer, from its query

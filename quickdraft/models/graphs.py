@@ -3,7 +3,7 @@
 A decode step of a small model on a GPU is bound by launching kernels, not by the GPU: a 28-layer
 model issues several hundred kernels per pass, each a few microseconds of host work. Replaying a
 captured CUDA graph issues them all at once. A graph needs static shapes and no host-side
-decisions, so these passes run :meth:`CausalLM.forward_static`: keys/values are written at a slot
+decisions, so these passes run :meth:`CausalLM.run` of a static :class:`Step`: keys/values are written at a slot
 tensor and each row attends over the first L cache slots under a [T, L] mask (chains: causal;
 trees: the tree mask). L is the used length rounded up to a power of two (at least
 ``MIN_SPAN``), so one graph serves many steps and attention reads about the used part of the
@@ -31,6 +31,7 @@ import torch
 
 from quickdraft.cache import SequenceCache
 from quickdraft.config import CUDA_GRAPH_MODES
+from quickdraft.models.forward_pass import Step
 from quickdraft.models.layers import MLP, Attention, DecoderLayer
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def supports_static(model: torch.nn.Module) -> str | None:
 
     if not isinstance(model, CausalLM):
         return f"{type(model).__name__} is not a decoder CausalLM"
-    if type(model).forward is not CausalLM.forward or type(model).embed is not CausalLM.embed:
+    if type(model).run is not CausalLM.run or type(model).embed is not CausalLM.embed:
         return f"{type(model).__name__} has its own forward pass"
     for i, layer in enumerate(model.model.layers):
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
@@ -155,7 +156,7 @@ class StepGraphs:
         )
 
     def _static(self, g: _Graph, capture: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.model.forward_static(g.ids, self.cache, g.positions, g.slots, g.mask, capture)
+        return self.model.run(g.ids, Step.static(self.cache, g.positions, g.slots, g.mask), capture)
 
     def _record(self, g: _Graph, capture: Sequence[int]) -> bool:
         """Capture ``g``'s graph (inputs already filled); False (graphs off, one warning) on failure.

@@ -36,6 +36,7 @@ from quickdraft.cache import KVCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import Linear
 from quickdraft.models.causal_lm import CausalLM
+from quickdraft.models.forward_pass import Step
 
 OP_FORWARD, OP_COMPACT, OP_NEW_CACHE, OP_FREE_CACHE, OP_STOP = 1, 2, 3, 4, 5
 _HEADER = 8  # int64 fields per control message
@@ -290,27 +291,26 @@ class TPCausalLM(CausalLM):
         if self.tp_rank == 0 and dist.is_initialized():
             self._send(OP_STOP)
 
-    def forward(  # type: ignore[override]
-        self,
-        ids: torch.Tensor,
-        cache: KVCache,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        capture: Sequence[int] = (),
-        num_logits: int | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(self, ids: torch.Tensor, step: Step, capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Rank 0: the pass on this shard, after telling every worker to run it on theirs (one
+        sequence's passes: chains and trees; the workers rebuild the same :class:`Step`)."""
         if self.tp_rank == 0:
+            cache = step.cache
             if not isinstance(cache, TPKVCache) or cache.tp_owner is not self:
                 raise ValueError("a tensor-parallel model runs only with caches from its own make_cache()")
+            if step.slots is not None or (step.tree and step.mask is None):  # static shapes, several sequences
+                raise ValueError("a tensor-parallel model runs one sequence's passes (chains and trees)")
             t = int(ids.shape[0])
-            self._send(OP_FORWARD, cache.tp_id, cache.length, t, positions is not None, mask is not None,
-                       -1 if num_logits is None else num_logits)
+            outputs = step.outputs
+            self._send(OP_FORWARD, cache.tp_id, step.start, t, int(step.tree), -1 if outputs is None else len(outputs))
             dist.broadcast(ids.to(torch.long).cpu().contiguous(), src=0, group=self.tp_group)
-            if positions is not None:
-                dist.broadcast(positions.to(torch.long).cpu().contiguous(), src=0, group=self.tp_group)
-            if mask is not None:
-                dist.broadcast(mask.to(torch.uint8).cpu().contiguous(), src=0, group=self.tp_group)
-        return super().forward(ids, cache, positions, mask, capture, num_logits)  # the model's own
+            dist.broadcast(step.positions.to(torch.long).cpu().contiguous(), src=0, group=self.tp_group)
+            if step.tree:
+                assert step.mask is not None  # (a tree's mask; Step.of_pass makes it)
+                dist.broadcast(step.mask.to(torch.uint8).cpu().contiguous(), src=0, group=self.tp_group)
+            if outputs:
+                dist.broadcast(torch.tensor(outputs, dtype=torch.long), src=0, group=self.tp_group)
+        return super().run(ids, step, capture)  # the model's own
 
 
 def _free_cache(owner_ref: weakref.ref, cache_id: int) -> None:
@@ -341,21 +341,25 @@ def worker_loop(model: TPCausalLM) -> None:
             dist.broadcast(keep, src=0, group=group)
             caches[f[0]].compact(f[1], keep)
         elif op == OP_FORWARD:
-            cache_id, length, t, has_pos, has_mask, num_logits = f[:6]
+            cache_id, length, t, tree, n_outputs = f[:5]
             cache = caches[cache_id]
             cache.length = length
             ids = torch.empty(t, dtype=torch.long)
             dist.broadcast(ids, src=0, group=group)
-            positions = mask = None
-            if has_pos:
-                positions = torch.empty(t, dtype=torch.long)
-                dist.broadcast(positions, src=0, group=group)
-            if has_mask:
+            positions = torch.empty(t, dtype=torch.long)
+            dist.broadcast(positions, src=0, group=group)
+            mask = None
+            if tree:
                 m = torch.empty(t, length + t, dtype=torch.uint8)
                 dist.broadcast(m, src=0, group=group)
                 mask = m.bool().to(model.device)
+            outputs: list[int] | None = None if n_outputs < 0 else []
+            if n_outputs > 0:
+                rows = torch.empty(n_outputs, dtype=torch.long)
+                dist.broadcast(rows, src=0, group=group)
+                outputs = rows.tolist()
             dev = model.device
-            super(TPCausalLM, model).forward(ids.to(dev), cache, None if positions is None else positions.to(dev), mask,
-                             (), None if num_logits < 0 else num_logits)
+            step = Step.reserve(cache, t, positions.to(dev), mask=mask, outputs=outputs)
+            super(TPCausalLM, model).run(ids.to(dev), step)
         else:
             raise RuntimeError(f"tensor-parallel worker: unknown op {op}")

@@ -45,7 +45,7 @@ from quickdraft.cache import CacheSnapshot, KVPool, SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.batch_invariance import BLOCKED_MAX_ROWS
 from quickdraft.models.causal_lm import CausalLM
-from quickdraft.models.forward_pass import RowSlots
+from quickdraft.models.forward_pass import RowSlots, Step
 from quickdraft.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -130,11 +130,11 @@ class ModelPass(DraftPass):
             slots += pool.visible(a.lane, start, [staged[-1][: j + 1] for j in range(a.rows)])
             offset += a.rows
         at = torch.cat(positions)
-        last_rows = torch.stack([rows[-1] for rows in staged])
+        last_rows = [int(rows[-1]) for rows in staged]
         ids = torch.cat([a.ids.to(device) for a in asks])
         lanes = [a.cache for a in asks for _ in range(a.rows)]
-        logits, _ = model(ids, pool.buffer, positions=at, rows=RowSlots(slots, pool.slot_positions(at, held), lanes),
-                          logit_rows=last_rows)
+        seen = RowSlots(slots, pool.slot_positions(at, held), lanes)
+        logits, _ = model.run(ids, Step.reserve(pool.buffer, ids.shape[0], at, rows=seen, outputs=last_rows))
         for a, rows in zip(asks, staged, strict=True):
             pool.keep(a.lane, rows)
         return [PassOutput(logits[i : i + 1]) for i in range(len(asks))]
