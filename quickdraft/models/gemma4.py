@@ -449,71 +449,86 @@ class _Backbone(nn.Module):
 def build_stack(modules: nn.ModuleList) -> PerLayerCacheStack | None:
     """Gemma 4's native stack for these layers, or None where it does not apply: every attention, MLP
     and expert matrix a q8 GGML block (the per-layer input projections and the router may be float32),
-    fp32 norms and RoPE tables."""
+    fp32 norms and RoPE tables, one sliding window."""
     mod = active_kernels()
     layers = [m for m in modules if isinstance(m, DecoderLayer)]
     if mod is None or not layers or len(layers) != len(modules):
         return None
     eps = layers[0].input_layernorm.eps
-
-    def norm_ok(*ns: nn.Module | None) -> bool:
-        return all(type(n) is RMSNorm and n.eps == eps and on_cpu_fp32(n.weight) for n in ns)
-
-    def q8(m: nn.Module | None) -> WeightSpec | None:
-        return None if m is None else weight_spec(m)
-
     stack = mod.Gemma4Stack(float(eps), ROW_LANES)
-    windows = set()
-    for layer in layers:
-        a, mlp = layer.self_attn, layer.mlp
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                 layer.post_feedforward_layernorm]
-        experts = None
-        if layer.router is not None:  # routed experts beside the MLP (26B-A4B)
-            r = layer.router
-            norms += [layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_1,
-                      layer.post_feedforward_layernorm_2]
-            if type(r.norm) is not PlainRMSNorm or not all(type(e) is GemmaMLP for e in layer.experts) \
-                    or not on_cpu_fp32(r.scale, r.per_expert_scale):
-                return None
-            experts = experts_block(layer.experts, r.proj, "softmax_topk", True, r.top_k, GELU_TANH,
-                                    scales=RouterScales(r.scale, r.per_expert_scale, r.root, r.norm.eps))
-            if experts is None:
-                return None
-        if type(a) is not Gemma4Attention or type(mlp) is not GemmaMLP \
-                or a.q_norm is None or not norm_ok(*norms, a.q_norm) or not a.native or a.hd % 8 or type(a.v_norm) is not PlainRMSNorm \
-                or a.v_norm.eps != eps or not on_cpu_fp32(a.rope.cos, layer.layer_scalar):
-            return None
-        k = v = None
-        if not a.reuses_kv:
-            k = q8(a.k_proj)
-            if k is None or not norm_ok(a.k_norm):
-                return None
-            if not a.values_are_keys and (v := q8(a.v_proj)) is None:
-                return None
-        q, o, gate_up, down = q8(a.q_proj), q8(a.o_proj), [q8(mlp.gate_proj), q8(mlp.up_proj)], q8(mlp.down_proj)
-        if q is None or o is None or down is None or gate_up[0] is None or gate_up[1] is None:
-            return None
-        gate_q8 = gate_w = proj_q8 = proj_w = input_norm = None
-        if layer.per_layer_input_gate is not None:
-            if not norm_ok(layer.post_per_layer_input_norm):
-                return None
-            gate_q8, proj_q8 = q8(layer.per_layer_input_gate), q8(layer.per_layer_projection)
-            gate_w = None if gate_q8 is not None else float_weight(layer.per_layer_input_gate)
-            proj_w = None if proj_q8 is not None else float_weight(layer.per_layer_projection)
-            if (gate_q8 is None and gate_w is None) or (proj_q8 is None and proj_w is None):
-                return None
-            input_norm = layer.post_per_layer_input_norm.weight.detach()
-        if a.window:
-            windows.add(a.window)
-        stack.add_layer(
-            [n.weight.detach() for n in norms], q, k, v, a.q_norm.weight.detach(),
-            None if a.k_norm is None else a.k_norm.weight.detach(), a.nh, a.nkv, a.hd, a.window or 0, float(a.scale),
-            a.rope.cos.contiguous(), a.rope.sin.contiguous(), o, gate_up, down, gate_q8, gate_w, proj_q8, proj_w,
-            input_norm, layer.layer_scalar.detach(), experts)
+    windows = {layer.self_attn.window for layer in layers if layer.self_attn.window}
     if len(windows) > 1:
         return None
+    for layer in layers:
+        args = _stack_layer(layer, eps)
+        if args is None:
+            return None
+        stack.add_layer(*args)
     return PerLayerCacheStack(stack, next(iter(windows), None), layer_inputs=True)
+
+
+def _norms_ok(eps: float, *ns: nn.Module | None) -> bool:
+    return all(type(n) is RMSNorm and n.eps == eps and on_cpu_fp32(n.weight) for n in ns)
+
+
+def _q8(m: nn.Module | None) -> WeightSpec | None:
+    return None if m is None else weight_spec(m)
+
+
+def _stack_layer(layer: DecoderLayer, eps: float) -> tuple[Any, ...] | None:
+    """The arguments of ``Gemma4Stack.add_layer`` for one decoder layer; None where the stack cannot
+    compute it."""
+    a, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+             layer.post_feedforward_layernorm]
+    experts = None
+    if layer.router is not None:  # routed experts beside the MLP (26B-A4B)
+        r = layer.router
+        norms += [layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_1,
+                  layer.post_feedforward_layernorm_2]
+        if type(r.norm) is not PlainRMSNorm or not all(type(e) is GemmaMLP for e in layer.experts) \
+                or not on_cpu_fp32(r.scale, r.per_expert_scale):
+            return None
+        experts = experts_block(layer.experts, r.proj, "softmax_topk", True, r.top_k, GELU_TANH,
+                                scales=RouterScales(r.scale, r.per_expert_scale, r.root, r.norm.eps))
+        if experts is None:
+            return None
+    if type(a) is not Gemma4Attention or type(mlp) is not GemmaMLP \
+            or a.q_norm is None or not _norms_ok(eps, *norms, a.q_norm) or not a.native or a.hd % 8 \
+            or type(a.v_norm) is not PlainRMSNorm or a.v_norm.eps != eps or not on_cpu_fp32(a.rope.cos, layer.layer_scalar):
+        return None
+    k = v = None
+    if not a.reuses_kv:
+        k = _q8(a.k_proj)
+        if k is None or not _norms_ok(eps, a.k_norm):
+            return None
+        if not a.values_are_keys and (v := _q8(a.v_proj)) is None:
+            return None
+    q, o, gate_up, down = _q8(a.q_proj), _q8(a.o_proj), [_q8(mlp.gate_proj), _q8(mlp.up_proj)], _q8(mlp.down_proj)
+    if q is None or o is None or down is None or gate_up[0] is None or gate_up[1] is None:
+        return None
+    per_layer = _per_layer_input(layer, eps)
+    if per_layer is None:
+        return None
+    return ([n.weight.detach() for n in norms], q, k, v, a.q_norm.weight.detach(),
+            None if a.k_norm is None else a.k_norm.weight.detach(), a.nh, a.nkv, a.hd, a.window or 0, float(a.scale),
+            a.rope.cos.contiguous(), a.rope.sin.contiguous(), o, gate_up, down, *per_layer,
+            layer.layer_scalar.detach(), experts)
+
+
+def _per_layer_input(layer: DecoderLayer, eps: float) -> tuple[Any, ...] | None:
+    """(gate q8, gate float32, projection q8, projection float32, norm weight) of a layer's per-layer
+    input (each matrix q8 or float32; all None for a layer without one); None where it cannot run natively."""
+    if layer.per_layer_input_gate is None:
+        return None, None, None, None, None
+    if not _norms_ok(eps, layer.post_per_layer_input_norm):
+        return None
+    gate_q8, proj_q8 = _q8(layer.per_layer_input_gate), _q8(layer.per_layer_projection)
+    gate_w = None if gate_q8 is not None else float_weight(layer.per_layer_input_gate)
+    proj_w = None if proj_q8 is not None else float_weight(layer.per_layer_projection)
+    if (gate_q8 is None and gate_w is None) or (proj_q8 is None and proj_w is None):
+        return None
+    return gate_q8, gate_w, proj_q8, proj_w, layer.post_per_layer_input_norm.weight.detach()
 
 
 class CausalLM(gemma3.CausalLM):
