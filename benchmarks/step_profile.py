@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: every native kernel call timed by name, the rest (Python and
-torch ops between the kernels) by difference.
+"""Where a decode step's time goes: every native kernel call timed by name, the family's one-call layer
+stack (where it runs) as one line, the rest (Python and torch ops between the kernels) by difference.
 
     .venv/bin/python benchmarks/step_profile.py MODEL [--tokens 32]
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from quickdraft.engine import Engine
 from quickdraft.loading.load import load_model
+from quickdraft.models.native import NativePass, NativeStack
 from quickdraft.quant import ggml
 from quickdraft.sampling import SamplingParams
 
@@ -47,6 +48,24 @@ class Timed(types.ModuleType):
         return timed
 
 
+STACK = "layer stack (one call)"
+
+
+class TimedPass:
+    """A native layer stack whose ``run`` calls add to ``timed`` (under STACK)."""
+
+    def __init__(self, stack: NativePass, timed: Timed) -> None:
+        self.stack, self.timed = stack, timed
+
+    def run(self, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.stack.run(*args)
+        finally:
+            self.timed.seconds[STACK] += time.perf_counter() - t0
+            self.timed.calls[STACK] += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -58,6 +77,13 @@ def main() -> None:
         raise SystemExit("the native kernels are not built here (or QUICKDRAFT_KERNELS=ref): nothing to profile")
     timed = Timed(module)
     ggml._kernels.load = lambda: timed  # every caller reaches the kernels through this
+    stack_of = NativeStack.get
+
+    def timed_stack(self: NativeStack, x: Any) -> TimedPass | None:
+        stack = stack_of(self, x)
+        return None if stack is None else TimedPass(stack, timed)
+
+    NativeStack.get = timed_stack  # type: ignore[method-assign]
     engine = Engine(loaded.model, loaded.tokenizer)
     prompt = list(range(10, 74))
 
