@@ -41,6 +41,36 @@ def test_rms_norm_matches_torch_and_is_row_invariant():
 
 
 @requires_kernels
+def test_argmax_rows_is_torch_argmax():
+    """The kernels' argmax gives torch.argmax's index on every row: the first of tied maxima (anywhere in a
+    vector or in the tail), the first NaN in a row holding NaNs, 0 for a row of -inf, -0.0 tied with 0.0,
+    rows of 1 to 8 * 1024 + 7 values; greedy_tokens takes it for CPU float32 rows."""
+    from quickdraft.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    for v in (1, 3, 8, 9, 15, 16, 17, 1000, 8 * 1024 + 7):
+        x = torch.randn(12, v, generator=g)
+        top = x.max(dim=1).values
+        if v > 1:
+            x[1, v - 1] = top[1] + 1  # the maximum in the tail (or the last vector)
+            x[2, :] = 5.0  # every value tied: the first
+            x[3, v // 2] = x[3, v - 1] = top[3] + 2  # tied in the middle and at the end
+            x[4, 1:] = float("nan")  # NaN from index 1
+            x[5, v - 1] = float("nan")
+            x[6, 0], x[6, v - 1] = -0.0, 0.0
+            x[6, 1:v - 1] = -1.0
+        x[7] = float("-inf")
+        x[8, 0] = float("inf")
+        x[9, v - 1] = float("inf")
+        x[10] = float("nan")
+        got = _ops().argmax_rows(x)
+        assert torch.equal(got, x.argmax(dim=1)), v
+        assert torch.equal(greedy_tokens(x), got)
+    with pytest.raises(RuntimeError, match="empty row"):
+        _ops().argmax_rows(torch.zeros(2, 0))
+
+
+@requires_kernels
 def test_rope_matches_torch_bitwise():
     cfg = ModelConfig(
         model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,

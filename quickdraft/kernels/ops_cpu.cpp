@@ -684,11 +684,65 @@ double read_bandwidth(int64_t bytes, int64_t nthreads, int64_t repeats) {
   return sink == -1 ? 0.0 : best;  // (sink keeps the reads)
 }
 
+// Per row of x [R, V] (fp32), the index of its maximum as torch.argmax gives it: the first maximal index,
+// and the first NaN where the row holds one (torch counts NaN as the maximum). One vector pass for the
+// maximum (and whether a NaN is there), one to find its first index.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU float32 tensor [rows, V]");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "argmax of an empty row");
+  auto out = torch::empty({R}, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * V;
+    __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      mx = _mm256_max_ps(mx, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    float m = lanes[0];
+    for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
+    bool has_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < V; ++i) {
+      has_nan = has_nan || std::isnan(row[i]);
+      m = std::max(m, row[i]);
+    }
+    int64_t at = 0;
+    if (has_nan) {
+      while (!std::isnan(row[at])) ++at;
+    } else {
+      const __m256 target = _mm256_set1_ps(m);
+      int64_t j = 0;
+      int hit = 0;
+      for (; j + 8 <= V; j += 8) {
+        hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), target, _CMP_EQ_OQ));
+        if (hit) break;
+      }
+      if (hit) {
+        at = j + __builtin_ctz(hit);
+      } else {
+        at = j;
+        while (row[at] != m) ++at;
+      }
+    }
+    o[r] = at;
+  }
+  return out;
+}
+
 void register_ops(pybind11::module& m) {
   m.def("read_bandwidth", &read_bandwidth,
         "streaming-read GB/s of nthreads threads over a buffer of bytes (best of repeats, every other one with "
         "software prefetch)",
         pybind11::arg("bytes"), pybind11::arg("num_threads"), pybind11::arg("repeats") = 3);
+  m.def("argmax_rows", &argmax_rows,
+        "per row of x [rows, V] (fp32) the first index of its maximum (the first NaN where one is), as torch.argmax",
+        pybind11::arg("x"));
   m.def("rms_norm", &rms_norm, "(w + offset) * x / sqrt(mean(x^2) + eps) per row (fp32)", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("offset") = 0.0);
   m.def("rope", &rope, "rotate-half RoPE of x [heads, T, D] at positions, from cos/sin tables [S, D]",
