@@ -764,6 +764,11 @@ def main() -> None:
                                                    ("ik_llama.cpp", args.ik_llama_bench),
                                                    ("llama.cpp AVX2", avx2_bench))
                  if binary is not None and binary.is_file()}
+    # Nothing the run wrote (the file, the prepared copy the load made: GBs for the MoE files) may still be
+    # on its way to disk, on the same 2 cores, when the timings start (a guard: 0.0 s in the runs of 19:22).
+    t0 = time.perf_counter()
+    os.sync()
+    print(f"written back to disk in {time.perf_counter() - t0:.1f} s (before any timing)")
     runs: dict[str, list[float]] = {"quickdraft": [], "quickdraft-auto": [], "quickdraft prefill": []}
     for name in opponents:
         runs[name], runs[f"{name} prefill"] = [], []
