@@ -17,7 +17,7 @@ memory. Passes longer than ``max_rows`` (prefills), models whose layers take oth
 eagerly, as does everything after a capture fails (with one warning).
 
 On the CPU there is nothing to capture: ``StepGraphs(..., capture=False)`` runs the same static
-pass eagerly (the tests check it against :meth:`CausalLM.forward`).
+pass eagerly (the tests check it against the dynamic pass, :meth:`CausalLM.run` of a reserved Step).
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ class StepGraphs:
         capture: Sequence[int],
         num_logits: int | None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """The pass :meth:`CausalLM.forward` would make (same arguments), or None where graphs do
-        not apply (the caller then runs it eagerly). Advances the cache like ``forward``."""
+        """The pass :meth:`CausalLM.run` would make of ``Step.reserve(cache, T, positions, mask=mask)``
+        with the last ``num_logits`` rows as outputs, or None where graphs do not apply (the caller then
+        runs it eagerly). Advances the cache like that pass."""
         model = self.model
         t = int(ids.shape[0])
         if self.disabled is not None or t > self.max_rows or model._vocab_subset is not None:

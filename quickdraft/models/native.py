@@ -4,7 +4,7 @@ A family says which stack its layers have (:meth:`CausalLM.native_stack
 <quickdraft.models.causal_lm.CausalLM.native_stack>`, a :class:`NativePass`): the standard layer's
 here (:func:`build_stack`: Llama, Qwen2/3, Mistral), Qwen3.5's hybrid one (``qwen3_5.py``), Gemma
 4's (``gemma4.py``) and GPT-OSS's (``gpt_oss.py``); the kernels' classes are in
-``kernels/decode_cpu.cpp``. ``CausalLM.forward`` uses it where it applies: the kernels built and
+``kernels/decode_cpu.cpp``. ``CausalLM.run`` uses it where it applies: the kernels built and
 active, a CPU fp32 pass on the batch-invariant path (:func:`~quickdraft.models.batch_invariance.invariant_pass`)
 outside autograd, and layers whose matrices are GGML blocks in q8 mode (a few small float32
 projections are allowed where a stack runs them as :func:`~quickdraft.models.batch_invariance.blocked_linear`
