@@ -650,12 +650,14 @@ def print_draft_cost(name: str, cost: dict[str, Any]) -> None:
 
 
 def peak_memory(path: Path, prefill: int, tokens: int) -> dict[str, float]:
-    """quickdraft's resident memory in a process of its own (this one wrote the file: its peak counts that):
-    loading ``path``, then a plain decode of ``tokens`` tokens and a ``prefill``-token prefill; against the file
-    plus the KV cache an engine of the model allocates (recurrent states are not counted in ``kv``: for hybrids
-    the ratio is an upper bound)."""
+    """quickdraft's resident memory in a process of its own: loading ``path``, then a plain decode of ``tokens``
+    tokens and a ``prefill``-token prefill; against the file, the KV cache an engine of the model allocates and
+    (hybrids) the recurrent states the prefill leaves: the live one and a checkpoint every STATE_EVERY tokens
+    (what turn 2 of a chat continues from; up to MAX_CHECKPOINTS). The peak is the
+    process's own high-water mark (VmHWM): getrusage's ru_maxrss carries over the parent's through fork and exec,
+    so inside a benchmark that has loaded the model it read the benchmark's peak."""
     code = """
-import json, resource, sys
+import json, sys
 sys.path.insert(0, sys.argv[1])
 import gguf_archs as ga
 from quickdraft.engine import Engine
@@ -665,14 +667,21 @@ after_load = int(open("/proc/self/statm").read().split()[1]) * 4096
 ga.quickdraft_decode(loaded, int(sys.argv[4]), "none", repetitive=False)
 if int(sys.argv[3]):
     ga.quickdraft_prefill(loaded, int(sys.argv[3]))
-print(json.dumps({"after_load": after_load, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "kv": Engine(loaded.model, loaded.tokenizer).kv_bytes}))
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+from quickdraft.cache import MAX_CHECKPOINTS, STATE_EVERY, HybridCache
+engine = Engine(loaded.model, loaded.tokenizer)
+state = 0
+if isinstance(engine.cache, HybridCache):
+    rec = engine.cache.recurrent
+    one = sum(t.numel() * t.element_size() for pair in rec.shape.zeros("meta", rec.dtype) for t in pair)
+    state = one * (1 + min(int(sys.argv[3]) // STATE_EVERY, MAX_CHECKPOINTS))
+print(json.dumps({"after_load": after_load, "peak_rss": hwm * 1024, "kv": engine.kv_bytes, "state": state}))
 """
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(path), str(prefill), str(tokens)],
                          capture_output=True, text=True, check=True)
     memory = json.loads(out.stdout.strip().splitlines()[-1])
     memory["file"] = path.stat().st_size
-    memory["ratio"] = memory["peak_rss"] / (memory["file"] + memory["kv"])
+    memory["ratio"] = memory["peak_rss"] / (memory["file"] + memory["kv"] + memory["state"])
     return memory
 
 
@@ -829,7 +838,8 @@ def main() -> None:
         f"{k} {v:.1f} GB/s ({v / probe:.0%} of the {probe:.1f} GB/s read probe)" for k, v in bandwidth.items()))
     print(f"  memory (a quickdraft process of its own): {memory['after_load'] / 2**30:.2f} GiB loaded, peak "
           f"{memory['peak_rss'] / 2**30:.2f} GiB = {memory['ratio']:.2f}x the file "
-          f"({memory['file'] / 2**30:.2f} GiB) + the engine's KV cache ({memory['kv'] / 2**30:.2f} GiB)")
+          f"({memory['file'] / 2**30:.2f} GiB) + the engine's KV cache ({memory['kv'] / 2**30:.2f} GiB)"
+          + (f" + the prefill's recurrent states ({memory['state'] / 2**30:.2f} GiB)" if memory["state"] else ""))
     print("  T(k)/T(1), target passes of k rows: " + ", ".join(f"k={k} {v:.2f}" for k, v in passes.items() if k > 1))
     if mtp is not None:
         print_draft_cost(f"MTP (output head of {mtp['draft_vocab']} tokens)", mtp)

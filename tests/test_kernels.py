@@ -608,6 +608,34 @@ def test_repack_of_a_matrix_taller_than_one_slab(qtype):
 
 
 @requires_kernels
+@pytest.mark.parametrize(("qtype", "k", "n"), [(Q.Q8_0, 256, 8203), (Q.Q4_K, 256, 8203), (Q.IQ4_NL, 256, 8203),
+                                             (Q.Q8_0, 288, 8203), (Q.Q8_0, 256, 20), (Q.MXFP4, 288, 20)],
+                         ids=["Q8_0", "Q4_K", "IQ4_NL", "Q8_0-padded", "Q8_0-small", "MXFP4-small-padded"])
+def test_a_loaded_matrix_is_repacked_slab_by_slab(qtype, k, n):
+    """A layer that owns its blocks (a loader's copy) switches layout a slab of 4096 rows at a time
+    (a load holds a 262k-row head once, not twice): over its own memory where both layouts take the
+    same bytes per row, else into a new tensor (288 = 9 blocks: lanes pad to 16); the same bytes as
+    a repacked copy, the same outputs and GGML rows. A layer that does not own its blocks leaves
+    the caller's tensor as it was."""
+    raw_np = random_raw(qtype, n, k, seed=35)
+    mine, theirs = torch.from_numpy(raw_np.copy()), torch.from_numpy(raw_np.copy())
+    owner, borrower = GGMLLinear(qtype, mine, k, owns_raw=True), GGMLLinear(qtype, theirs, k)
+    over_itself = k % 256 == 0
+    x = torch.randn(3, k)
+    assert torch.equal(owner(x), borrower(x))
+    assert owner._lanes and borrower._lanes
+    assert (owner.raw.data_ptr() == mine.data_ptr()) == over_itself and torch.equal(owner.raw, borrower.raw)
+    assert torch.equal(theirs, torch.from_numpy(raw_np)) and borrower.raw.data_ptr() != theirs.data_ptr()
+    ids = torch.tensor([0, 4095, 4096, 8202] if n > 4096 else [0, 7, 8, n - 1])
+    assert torch.equal(owner.embedding(ids), borrower.embedding(ids))
+    lanes = owner.raw
+    set_activation_mode(owner, "f32")  # back to GGML blocks, the same way
+    assert torch.equal(owner(x), GGMLLinear(qtype, torch.from_numpy(raw_np.copy()), k, activations="f32")(x))
+    assert not owner._lanes and (owner.raw.data_ptr() == lanes.data_ptr()) == over_itself
+    assert torch.equal(owner.raw, torch.from_numpy(raw_np))
+
+
+@requires_kernels
 @pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
 def test_lanes_layout_switches_with_the_path(qtype):
     """A q8 kernel call repacks the module's weight into lanes (a copy: the caller's tensor is left

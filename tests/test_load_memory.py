@@ -65,3 +65,32 @@ def test_llm_warms_up_at_load(tmp_path: Path) -> None:
     fresh = Engine(llm.target.model, llm.tokenizer)
     want = [t for s in fresh.generate(llm.encode("def f(x):"), params) for t in s.token_ids]
     assert got == want and len(got) == 12
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_a_table_is_copied_out_of_the_map_slab_by_slab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block table leaves the memory map a slab of rows at a time, each slab's pages released as
+    soon as it is copied (a 262k-row embedding table is never resident twice): the copy is the
+    bytes, the slabs cover the rows in order, none larger than COPY_SLAB_BYTES."""
+    from quickdraft.loading import gguf as gguf_io
+
+    path = tmp_path / "table.bin"
+    rows, row_bytes = 3001, 1088  # Q8_0 x 1024
+    data = np.random.default_rng(1).integers(0, 256, rows * row_bytes, dtype=np.uint8)
+    data.tofile(path)
+    view = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, row_bytes)
+    monkeypatch.setattr(gguf_io, "COPY_SLAB_BYTES", 256 << 10)
+    released: list[tuple[int, int]] = []
+
+    def record(part: np.ndarray) -> None:
+        released.append((part.ctypes.data - view.ctypes.data, part.nbytes))
+        release_pages(part)
+
+    monkeypatch.setattr(gguf_io, "release_pages", record)
+    copy = gguf_io._copy_out(view)
+    assert np.array_equal(copy, data.reshape(rows, row_bytes)) and not isinstance(copy, np.memmap)
+    assert [o for o, _ in released] == [sum(n for _, n in released[:i]) for i in range(len(released))]
+    assert sum(n for _, n in released) == rows * row_bytes and max(n for _, n in released) <= 256 << 10
+    assert len(released) == -(-rows // ((256 << 10) // row_bytes))
+    # copying a slab maps back up to the kernel's fault-around window (64 KiB) of the slab before it
+    assert mapped_rss_kb(path) <= 64 * len(released) < rows * row_bytes // 1024 // 3

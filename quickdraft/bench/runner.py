@@ -13,6 +13,7 @@ contender always runs right after another.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -84,7 +85,12 @@ class Contender(Protocol):
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (getrusage: KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process so far: on Linux its own high-water mark (VmHWM; getrusage's
+    ru_maxrss starts from the parent's peak, carried through fork and exec), elsewhere getrusage (bytes
+    on macOS)."""
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 

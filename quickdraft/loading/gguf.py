@@ -224,9 +224,24 @@ def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTe
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
         raw = _unpermute(raw, heads)  # a permutation of whole rows, so blocks stay intact
     dims = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first: [N, K] or [E, N, K]
-    copy = torch.from_numpy(np.array(raw.view(np.uint8).reshape(*dims[:-1], -1)))  # (F16 / BF16: their bytes)
+    copy = torch.from_numpy(_copy_out(raw.view(np.uint8).reshape(*dims[:-1], -1)))  # (F16 / BF16: their bytes)
     release_pages(t.data)
     return QuantTensor(t.tensor_type, copy, dims)
+
+
+COPY_SLAB_BYTES = 16 << 20
+
+
+def _copy_out(view: np.ndarray) -> np.ndarray:
+    """A copy of ``view`` (a tensor's bytes in the file's memory map), made COPY_SLAB_BYTES of rows at a
+    time, each slab's pages released once copied: a 262k-row embedding table is never resident twice."""
+    out = np.empty(view.shape, dtype=view.dtype)
+    src, dst = view.reshape(-1, view.shape[-1]), out.reshape(-1, view.shape[-1])
+    step = max(1, COPY_SLAB_BYTES // max(1, src.strides[0]))
+    for r0 in range(0, src.shape[0], step):
+        dst[r0 : r0 + step] = src[r0 : r0 + step]
+        release_pages(src[r0 : r0 + step])
+    return out
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

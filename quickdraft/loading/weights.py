@@ -61,12 +61,12 @@ def _install_quantized(model: nn.Module, name: str, q: QuantTensor, tied: bool) 
         # one copy of the blocks serves the token embedding and the output head (not another
         # embedding table: Gemma 4's per-layer one)
         head = tied and old is getattr(getattr(model, "model", None), "embed_tokens", None)
-        linear = GGMLLinear(q.qtype, q.raw, q.shape[1], lanes=q.lanes)
+        linear = GGMLLinear(q.qtype, q.raw, q.shape[1], lanes=q.lanes, owns_raw=True)
         setattr(parent, attr, QuantEmbedding(linear))
         if head:
             model.lm_head = linear  # type: ignore[assignment]
     elif isinstance(old, nn.Linear):
-        setattr(parent, attr, GGMLLinear(q.qtype, q.raw, q.shape[1], bias=old.bias, lanes=q.lanes))
+        setattr(parent, attr, GGMLLinear(q.qtype, q.raw, q.shape[1], bias=old.bias, lanes=q.lanes, owns_raw=True))
     else:
         raise QuickdraftError(f"tensor {name} is block-quantized, but its layer cannot use quantized weights")
 

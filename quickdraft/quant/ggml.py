@@ -34,7 +34,10 @@ the same mode). Two paths compute each mode:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
@@ -329,6 +332,7 @@ def _repack_blocks(qt: GGMLQuantizationType, blocks: torch.Tensor, to_lanes: boo
 
 
 PANEL_ROWS = 8  # the q8 kernels' panel (NP): lanes rows are stored interleaved per panel
+REPACK_SLAB_ROWS = 4096  # whole panels: a slab's panels sit where the whole matrix's do
 
 
 def interleave_panels_reference(raw: torch.Tensor, block_bytes: int, to_panels: bool) -> torch.Tensor:
@@ -563,6 +567,18 @@ def kernels_active() -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _discard_pages(t: torch.Tensor) -> None:
+    """Give the whole memory pages inside ``t``'s bytes back to the system (Linux; elsewhere nothing):
+    they read as zeros afterwards, so only for bytes nothing will read again."""
+    if sys.platform != "linux" or not t.is_cpu:
+        return
+    start = t.data_ptr()
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
 class GGMLLinear(nn.Module):
     """``y = x @ W.T + b`` with W kept as raw GGML blocks (a buffer: ``.to(device)`` moves it).
 
@@ -583,9 +599,12 @@ class GGMLLinear(nn.Module):
         bias: torch.Tensor | None = None,
         activations: str | None = None,
         lanes: bool = False,
+        owns_raw: bool = False,
     ) -> None:
         """``raw`` holds GGML blocks, or with ``lanes`` the q8 kernels' lane layout of them
-        (prepared weights: :mod:`quickdraft.loading.prepared`)."""
+        (prepared weights: :mod:`quickdraft.loading.prepared`). ``owns_raw``: nothing else reads
+        ``raw`` (a loader's copy), so a change of layout may write over it; otherwise it repacks a copy
+        and the caller's tensor is left as it was."""
         super().__init__()
         self._activations = None if activations is None else _check_mode(activations)
         self.qtype = _qtype(qtype)
@@ -620,6 +639,7 @@ class GGMLLinear(nn.Module):
         self._cache_ref = False
         self._act_block = activation_block_size(self.qtype)
         self._lanes = lanes  # raw holds the lane layout (after a q8 kernel call, or prepared)
+        self._owns_raw = owns_raw
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -680,12 +700,30 @@ class GGMLLinear(nn.Module):
             return repack_lanes_reference(self.qtype, raw, to_lanes)
         raise QuickdraftError(f"{self.qtype.name} lanes need the native kernels to repack")  # (never made without)
 
+    def _repack_own(self, raw: torch.Tensor, to_lanes: bool) -> torch.Tensor:
+        """:meth:`_repack` for the layer's own ``raw``. A raw the layer owns is repacked a slab of whole
+        panels at a time, so no matrix is held twice (a 262k-row output head; the experts of a layer,
+        views of one stacked tensor that stays until the last of them is done): written back over
+        itself where both layouts take the same bytes per row, else into a new tensor while the pages
+        of each slab done are given back."""
+        mod = _kernels.load()
+        if not self._owns_raw or mod is None or not raw.is_cpu:
+            return self._repack(raw, to_lanes)
+        lanes, ggml = lanes_row_bytes(self.qtype, self.in_features), ggml_row_bytes(self.qtype, self.in_features)
+        out = raw if lanes == ggml else torch.empty(raw.shape[0], lanes if to_lanes else ggml, dtype=torch.uint8)
+        for r0 in range(0, raw.shape[0], REPACK_SLAB_ROWS):
+            slab = raw[r0 : r0 + REPACK_SLAB_ROWS]
+            out[r0 : r0 + REPACK_SLAB_ROWS] = mod.repack_lanes(self._qt, slab, self.in_features, to_lanes)
+            if out is not raw:
+                _discard_pages(slab)
+        return out
+
     def _set_layout(self, lanes: bool) -> int:
         """Puts raw in the lane layout (q8 kernels) or the GGML one; returns the kernels' type id."""
         if self.qtype not in LANE_TYPES:
             return self._qt
         if self._lanes != lanes:
-            self.raw = self._repack(self.raw, lanes)
+            self.raw = self._repack_own(self.raw, lanes)
             self._lanes = lanes
             _bump_epoch()
         return self._qt + LANES_ID if lanes else self._qt
