@@ -64,7 +64,7 @@ def _install_quantized(model: nn.Module, name: str, q: QuantTensor, tied: bool) 
         linear = GGMLLinear(q.qtype, q.raw, q.shape[1], lanes=q.lanes, owns_raw=True)
         setattr(parent, attr, QuantEmbedding(linear))
         if head:
-            model.lm_head = linear  # type: ignore[assignment]
+            model.lm_head = linear
     elif isinstance(old, nn.Linear):
         setattr(parent, attr, GGMLLinear(q.qtype, q.raw, q.shape[1], bias=old.bias, lanes=q.lanes, owns_raw=True))
     else:

@@ -64,7 +64,7 @@ class CausalLM(nn.Module):
         self.kv_dtype: KVType | None = None  # KV cache element type (a dtype or "q8_0"); None: self.dtype
         self.device = torch.device("cpu")
         self.model: Any = self.backbone(cfg, max_len)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # (a GGMLLinear, VocabParallel, ...)
         self.tie_weights()
         rope = self.model.rope
         assert isinstance(rope, Rope), "a backbone's RoPE tables: model.rope"

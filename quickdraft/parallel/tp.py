@@ -202,7 +202,7 @@ def shard_model(
         else:
             _split_mlp(layer.mlp, rank, world, cfg.model_type, reduce=group if group is not None else True)
     vocab = split_points(cfg.vocab_size, world, what="vocabulary")
-    model.lm_head = VocabParallel(  # type: ignore[assignment]
+    model.lm_head = VocabParallel(
         slice_rows(model.lm_head, vocab[rank], vocab[rank + 1]), vocab, group)
     cls = type(model)
     if cls not in _TP_CLASSES:  # the model's own class with the TP control mixed in before it
