@@ -33,6 +33,7 @@ from quickdraft.config import (
 )
 from quickdraft.errors import QuickdraftError
 from quickdraft.loading.gguf_file import GGUFFile, release_pages
+from quickdraft.pages import weight_buffer
 
 # llama.cpp's layer tensor names -> Hugging Face ones; a family's own (:attr:`Family.gguf_tensor_names`)
 # come first.
@@ -233,9 +234,10 @@ COPY_SLAB_BYTES = 16 << 20
 
 
 def _copy_out(view: np.ndarray) -> np.ndarray:
-    """A copy of ``view`` (a tensor's bytes in the file's memory map), made COPY_SLAB_BYTES of rows at a
-    time, each slab's pages released once copied: a 262k-row embedding table is never resident twice."""
-    out = np.empty(view.shape, dtype=view.dtype)
+    """A copy of ``view`` (a tensor's bytes in the file's memory map) in a weight buffer (huge pages), made
+    COPY_SLAB_BYTES of rows at a time, each slab's pages released once copied: a 262k-row embedding table
+    is never resident twice."""
+    out = weight_buffer(view.shape)  # (uint8: a tensor's bytes)
     src, dst = view.reshape(-1, view.shape[-1]), out.reshape(-1, view.shape[-1])
     step = max(1, COPY_SLAB_BYTES // max(1, src.strides[0]))
     for r0 in range(0, src.shape[0], step):

@@ -34,10 +34,7 @@ the same mode). Two paths compute each mode:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import mmap
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
@@ -47,6 +44,7 @@ from torch import nn
 
 from quickdraft import kernels as _kernels
 from quickdraft.errors import QuickdraftError
+from quickdraft.pages import PAGE_BYTES, discard_pages, weight_buffer
 
 Q = GGMLQuantizationType
 _REF_ROWS_PER_CHUNK = 4096  # the reference forward dequantizes this many output rows at a time
@@ -567,18 +565,6 @@ def kernels_active() -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _discard_pages(t: torch.Tensor) -> None:
-    """Give the whole memory pages inside ``t``'s bytes back to the system (Linux; elsewhere nothing):
-    they read as zeros afterwards, so only for bytes nothing will read again."""
-    if sys.platform != "linux" or not t.is_cpu:
-        return
-    start = t.data_ptr()
-    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    hi = (start + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if hi > lo:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
-
-
 class GGMLLinear(nn.Module):
     """``y = x @ W.T + b`` with W kept as raw GGML blocks (a buffer: ``.to(device)`` moves it).
 
@@ -710,12 +696,13 @@ class GGMLLinear(nn.Module):
         if not self._owns_raw or mod is None or not raw.is_cpu:
             return self._repack(raw, to_lanes)
         lanes, ggml = lanes_row_bytes(self.qtype, self.in_features), ggml_row_bytes(self.qtype, self.in_features)
-        out = raw if lanes == ggml else torch.empty(raw.shape[0], lanes if to_lanes else ggml, dtype=torch.uint8)
+        out = raw if lanes == ggml else torch.from_numpy(weight_buffer((raw.shape[0], lanes if to_lanes else ggml)))
+        flat, row = raw.view(-1), raw.shape[1]
         for r0 in range(0, raw.shape[0], REPACK_SLAB_ROWS):
             slab = raw[r0 : r0 + REPACK_SLAB_ROWS]
             out[r0 : r0 + REPACK_SLAB_ROWS] = mod.repack_lanes(self._qt, slab, self.in_features, to_lanes)
-            if out is not raw:
-                _discard_pages(slab)
+            if out is not raw:  # this slab's pages, and the one it shares with the slab before (done)
+                discard_pages(flat[max(0, r0 * row - PAGE_BYTES) : (r0 + slab.shape[0]) * row])
         return out
 
     def _set_layout(self, lanes: bool) -> int:
