@@ -765,3 +765,18 @@ def model_pass(
     """One pass of ``model`` over ``ids`` into the next slots of ``cache``, a tree (``mask``) or rows
     of several sequences (``rows``): the engine's way (:meth:`CausalLM.run` of a reserved Step)."""
     return model.run(ids, Step.reserve(cache, ids.shape[0], positions, mask=mask, rows=rows), capture)
+
+
+def mapping_of(addr: int) -> tuple[str, list[str]]:
+    """The file ("" for anonymous memory) and VmFlags of this process's mapping that holds ``addr``
+    (/proc/self/smaps)."""
+    inside, path = False, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:  # a mapping's first line: range perms offset dev inode [path]
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside, path = lo <= addr < hi, head[5] if len(head) > 5 else ""
+            elif inside and line.startswith("VmFlags:"):
+                return path, head[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import mapping_of
 from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.api import LLM
@@ -88,27 +89,13 @@ def test_a_table_is_copied_out_of_the_map_slab_by_slab(tmp_path: Path, monkeypat
         release_pages(part)
 
     monkeypatch.setattr(gguf_io, "release_pages", record)
-    copy = gguf_io._copy_out(view)
+    copy = gguf_io.copy_out(view)
     assert np.array_equal(copy, data.reshape(rows, row_bytes)) and not isinstance(copy, np.memmap)
     assert [o for o, _ in released] == [sum(n for _, n in released[:i]) for i in range(len(released))]
     assert sum(n for _, n in released) == rows * row_bytes and max(n for _, n in released) <= 256 << 10
     assert len(released) == -(-rows // ((256 << 10) // row_bytes))
     # copying a slab maps back up to the kernel's fault-around window (64 KiB) of the slab before it
     assert mapped_rss_kb(path) <= 64 * len(released) < rows * row_bytes // 1024 // 3
-
-
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and not line.startswith(("VmFlags", "Rss")) and ":" not in head[0]:
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return head[1:]
-    raise AssertionError(f"no mapping holds {addr:#x}")
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
@@ -121,11 +108,11 @@ def test_weight_buffers_are_advised_as_huge_pages() -> None:
 
     big = weight_buffer((3, 4 << 20))
     assert big.shape == (3, 4 << 20) and big.dtype == np.uint8 and big.flags.writeable
-    flags = _vm_flags(big.ctypes.data)
+    flags = mapping_of(big.ctypes.data)[1]
     assert big.ctypes.data % HUGE_PAGE == 0 and "hg" in flags and "sh" not in flags  # private: a fork copies
     t = torch.from_numpy(big)
     del big
     t[1, 5] = 7
-    assert int(t[1, 5]) == 7 and "hg" in _vm_flags(t.data_ptr() + t.numel() - 1)
+    assert int(t[1, 5]) == 7 and "hg" in mapping_of(t.data_ptr() + t.numel() - 1)[1]
     small = weight_buffer((16, 1024))
     assert small.shape == (16, 1024) and small.dtype == np.uint8 and small.flags.writeable

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import mapping_of
 from tiny import hf_to_gguf, make_tiny_hf_model
 
 from quickdraft.loading import gguf as gguf_io
@@ -80,6 +81,24 @@ def test_second_load_maps_the_prepared_weights_and_computes_the_same(
     assert all(m._lanes for m in layers)  # kept in the kernels' layout: no repack at start
     same_load(first, second)
     assert folders(cache) == [where]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_prepared_matrices_are_copied_into_huge_pages(cache: Path, smollm2_gguf: Path) -> None:
+    """A prepared load copies each block matrix out of the map (the file's pages are not what a decode
+    step streams) into private memory advised as huge pages; small ones into plain memory."""
+    from quickdraft.pages import MIN_HUGE_BYTES
+
+    load_model(str(smollm2_gguf))
+    loaded = load_model(str(smollm2_gguf))  # (from the prepared folder)
+    weights = str(folders(cache)[0] / "weights.bin")
+    layers = [m for m in loaded.model.modules() if isinstance(m, GGMLLinear)]
+    big = [m for m in layers if m.raw.numel() >= MIN_HUGE_BYTES]
+    assert big and len(big) < len(layers)
+    for m in layers:
+        path, flags = mapping_of(m.raw.data_ptr())
+        assert path != weights and "sh" not in flags
+        assert ("hg" in flags) == (m.raw.numel() >= MIN_HUGE_BYTES), (m.raw.shape, flags)
 
 
 def test_real_model_prepared_equals_gguf(cache: Path, smollm2_gguf: Path) -> None:

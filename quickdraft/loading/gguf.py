@@ -225,7 +225,7 @@ def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTe
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else cfg.num_key_value_heads
         raw = _unpermute(raw, heads)  # a permutation of whole rows, so blocks stay intact
     dims = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first: [N, K] or [E, N, K]
-    copy = torch.from_numpy(_copy_out(raw.view(np.uint8).reshape(*dims[:-1], -1)))  # (F16 / BF16: their bytes)
+    copy = torch.from_numpy(copy_out(raw.view(np.uint8).reshape(*dims[:-1], -1)))  # (F16 / BF16: their bytes)
     release_pages(t.data)
     return QuantTensor(t.tensor_type, copy, dims)
 
@@ -233,8 +233,8 @@ def _quant_tensor(t: Any, name: str, cfg: ModelConfig, permute: bool) -> QuantTe
 COPY_SLAB_BYTES = 16 << 20
 
 
-def _copy_out(view: np.ndarray) -> np.ndarray:
-    """A copy of ``view`` (a tensor's bytes in the file's memory map) in a weight buffer (huge pages), made
+def copy_out(view: np.ndarray) -> np.ndarray:
+    """A copy of ``view`` (a tensor's bytes in a file's memory map) in a weight buffer (huge pages), made
     COPY_SLAB_BYTES of rows at a time, each slab's pages released once copied: a 262k-row embedding table
     is never resident twice."""
     out = weight_buffer(view.shape)  # (uint8: a tensor's bytes)

@@ -12,9 +12,12 @@ the other cached files and every later start maps it instead::
         tokenizer.json  the tokenizers backend, as ``tokenizers.Tokenizer.to_str`` wrote it
         weights.bin     every tensor, 64-byte aligned, blocks already in their kernel layout
 
-A later load maps ``weights.bin`` copy-on-write (no read, no copy: pages come from the page cache
-as the first pass touches them) and builds the tokenizer from its JSON. The values are the bytes
-the GGUF path produces, so results are bitwise the same either way (tests check it).
+A later load maps ``weights.bin`` copy-on-write, copies each block matrix out of the map into
+memory in transparent huge pages (:mod:`quickdraft.pages`; a page-cache copy, ~0.1 s per GB once the
+file is cached, that makes a decode step's weight stream ~15% faster than reading the mapped 4 KiB
+pages: Qwen2.5-Coder-1.5B Q4_K_M 15.7 -> 18.1 tok/s on 2 Xeon cores) and builds the tokenizer from
+its JSON. The values are the bytes the GGUF path produces, so results are bitwise the same either
+way (tests check it).
 
 The key is the GGUF's resolved path, size and modification time, the kernel build
 (:func:`quickdraft.kernels.build_name`, which changes with any kernel source) and :data:`FORMAT`:
@@ -49,7 +52,7 @@ from torch import nn
 
 from quickdraft import kept, zoo
 from quickdraft.config import ModelConfig
-from quickdraft.loading.gguf import GGMLQuantizationType, QuantTensor
+from quickdraft.loading.gguf import GGMLQuantizationType, QuantTensor, copy_out
 from quickdraft.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -107,13 +110,12 @@ class Prepared:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         for e in self.entries:
-            data = torch.from_numpy(self.weights[e["offset"] : e["offset"] + e["nbytes"]])
-            if e["kind"] == "quant":
-                rows = int(e["shape"][0])
-                raw = data.reshape(rows, -1)
+            view = self.weights[e["offset"] : e["offset"] + e["nbytes"]]
+            if e["kind"] == "quant":  # copied out of the map into huge pages (quickdraft.pages: ~15% faster decode)
+                raw = torch.from_numpy(copy_out(view.reshape(int(e["shape"][0]), -1)))
                 yield e["name"], QuantTensor(GGMLQuantizationType(e["qtype"]), raw, tuple(e["shape"]), e["lanes"])
             else:
-                yield e["name"], data.view(_TORCH_DTYPES[e["dtype"]]).reshape(e["shape"])
+                yield e["name"], torch.from_numpy(view).view(_TORCH_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
 def open_prepared(gguf: Path) -> Prepared | None:
