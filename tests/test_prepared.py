@@ -86,7 +86,7 @@ def test_second_load_maps_the_prepared_weights_and_computes_the_same(
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_prepared_matrices_are_copied_into_huge_pages(cache: Path, smollm2_gguf: Path) -> None:
     """A prepared load copies each block matrix out of the map (the file's pages are not what a decode
-    step streams) into private memory advised as huge pages; small ones into plain memory."""
+    step streams) into private memory, advised as huge pages from 4 MiB on."""
     from quickdraft.pages import MIN_HUGE_BYTES
 
     load_model(str(smollm2_gguf))
@@ -98,7 +98,8 @@ def test_prepared_matrices_are_copied_into_huge_pages(cache: Path, smollm2_gguf:
     for m in layers:
         path, flags = mapping_of(m.raw.data_ptr())
         assert path != weights and "sh" not in flags
-        assert ("hg" in flags) == (m.raw.numel() >= MIN_HUGE_BYTES), (m.raw.shape, flags)
+        if m.raw.numel() >= MIN_HUGE_BYTES:  # (a small one may land in memory numpy advised before)
+            assert "hg" in flags, (m.raw.shape, flags)
 
 
 def test_real_model_prepared_equals_gguf(cache: Path, smollm2_gguf: Path) -> None:
