@@ -653,9 +653,9 @@ def peak_memory(path: Path, prefill: int, tokens: int) -> dict[str, float]:
     """quickdraft's resident memory in a process of its own: loading ``path``, then a plain decode of ``tokens``
     tokens and a ``prefill``-token prefill; against the file, the KV cache an engine of the model allocates and
     (hybrids) the recurrent states the prefill leaves: the live one and a checkpoint every STATE_EVERY tokens
-    (what turn 2 of a chat continues from; up to MAX_CHECKPOINTS). The peak is the
-    process's own high-water mark (VmHWM): getrusage's ru_maxrss carries over the parent's through fork and exec,
-    so inside a benchmark that has loaded the model it read the benchmark's peak."""
+    (what turn 2 of a chat continues from; up to MAX_CHECKPOINTS). The peak is ``quickdraft bench``'s
+    ``peak_rss_mb``: the process's own high-water mark (getrusage's ru_maxrss carries over the parent's through
+    fork and exec, so inside a benchmark that has loaded the model it read the benchmark's peak)."""
     code = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -667,7 +667,8 @@ after_load = int(open("/proc/self/statm").read().split()[1]) * 4096
 ga.quickdraft_decode(loaded, int(sys.argv[4]), "none", repetitive=False)
 if int(sys.argv[3]):
     ga.quickdraft_prefill(loaded, int(sys.argv[3]))
-hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+from quickdraft.bench.runner import peak_rss_mb
+peak_rss = round(peak_rss_mb() * 2**20)
 from quickdraft.cache import MAX_CHECKPOINTS, STATE_EVERY, HybridCache
 engine = Engine(loaded.model, loaded.tokenizer)
 state = 0
@@ -675,7 +676,7 @@ if isinstance(engine.cache, HybridCache):
     rec = engine.cache.recurrent
     one = sum(t.numel() * t.element_size() for pair in rec.shape.zeros("meta", rec.dtype) for t in pair)
     state = one * (1 + min(int(sys.argv[3]) // STATE_EVERY, MAX_CHECKPOINTS))
-print(json.dumps({"after_load": after_load, "peak_rss": hwm * 1024, "kv": engine.kv_bytes, "state": state}))
+print(json.dumps({"after_load": after_load, "peak_rss": peak_rss, "kv": engine.kv_bytes, "state": state}))
 """
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(path), str(prefill), str(tokens)],
                          capture_output=True, text=True, check=True)

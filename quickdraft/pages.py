@@ -23,8 +23,14 @@ MIN_HUGE_BYTES = 4 << 20  # smaller buffers: a plain allocation (numpy's own rul
 _MADV_HUGEPAGE = 14
 
 
+_LIBC: ctypes.CDLL | None = None
+
+
 def _madvise(addr: int, length: int, advice: int) -> None:
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice)
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None)  # (this process's C library, loaded once)
+    _LIBC.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice)
 
 
 def weight_buffer(shape: tuple[int, ...]) -> np.ndarray:
