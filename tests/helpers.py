@@ -780,3 +780,45 @@ def mapping_of(addr: int) -> tuple[str, list[str]]:
             elif inside and line.startswith("VmFlags:"):
                 return path, head[1:]
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def transformers_from_gguf(path: Path, folder: Path) -> Any:
+    """transformers' own model of a GGUF file, loaded by ``from_pretrained(gguf_file=...)`` (its config
+    table, tensor-name map, tensor processors and dequantization) from a copy of ``path`` in
+    ``folder`` without the tokenizer's arrays: gguf-py's GGUFReader, which transformers reads the file
+    with twice, spends ~10 s parsing a 150k-token vocabulary item by item each time. The copy holds
+    the same tensor bytes and model keys, and ``ARCH.vocab_size``, which transformers reads from the
+    token list otherwise."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from quickdraft.loading.gguf_file import GGUFFile
+
+    source = GGUFFile(path)
+    meta = source.metadata
+    arch = meta["general.architecture"]
+    copy = folder / path.name
+    writer = gguf.GGUFWriter(copy, arch)
+    for key, value in meta.items():
+        if key.startswith("tokenizer.ggml.") and isinstance(value, list) or key in ("general.architecture",
+                                                                                   "general.alignment"):
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value) if 0 <= value < 2**32 else writer.add_int64(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    writer.add_uint32(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"]))
+    for t in source.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=copy.name, dtype=torch.float32)
+    return model.eval()

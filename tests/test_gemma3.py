@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import CONVERSATIONS, SAMPLES, assert_close, generate, model_pass
+from helpers import (
+    CONVERSATIONS,
+    SAMPLES,
+    assert_close,
+    generate,
+    model_pass,
+    transformers_from_gguf,
+)
 from tiny import hf_to_gguf, load_reference, make_spm_gguf, make_tiny_hf_model, reference_logits
 
 from quickdraft import zoo
@@ -504,62 +511,13 @@ def gemma_ref_tokenizer(gemma_gguf: Path) -> Any:
     return GemmaTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)
 
 
-def _transformers_gemma(path: Path) -> Any:
-    """transformers' Gemma3ForCausalLM holding this GGUF's weights, put together the way
-    ``from_pretrained(gguf_file=...)`` does it, from the same independent pieces: transformers'
-    metadata -> config key table, gguf-py's (llama.cpp's) HF <-> GGUF tensor-name map,
-    transformers' Gemma norm processor (subtract the stored 1) and dequantization by transformers'
-    torch kernel (Q8_0) and gguf-py (the rest). ``from_pretrained`` itself spends ~30 s
-    parsing the 262k-token metadata with GGUFReader."""
-    from gguf import MODEL_ARCH, GGMLQuantizationType, dequantize, get_tensor_name_map
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    from transformers.initialization import no_init_weights
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-    from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
-
-    reader = GGUFFile(path)
-    meta = reader.metadata
-    fields = {
-        hf: meta[f"gemma3.{key}"]
-        for key, hf in GGUF_CONFIG_MAPPING["gemma3"].items()
-        if hf and f"gemma3.{key}" in meta
-    }
-    fields.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
-    tied = all(t.name != "output.weight" for t in reader.tensors)
-    config = Gemma3TextConfig(**fields, tie_word_embeddings=tied)
-    with no_init_weights():
-        model = Gemma3ForCausalLM(config)
-    tensor_map = get_tensor_name_map(MODEL_ARCH.GEMMA3, config.num_hidden_layers)
-    names = {}
-    for hf_name in model.state_dict():
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_base = tensor_map.get_name(base)
-        if gguf_base is not None:
-            names[f"{gguf_base}.{suffix}"] = hf_name
-    processor = TENSOR_PROCESSORS["gemma3"](config=config.to_dict())
-    state = {}
-    for t in reader.tensors:
-        if t.tensor_type == GGMLQuantizationType.Q8_0:  # the 168M-value embedding: torch is faster
-            raw = torch.from_numpy(np.array(t.data)).reshape(-1)
-            weights = torch_dequantize(raw, int(t.tensor_type)).reshape(tuple(reversed(t.shape))).numpy()
-        else:
-            weights = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        weights = processor.process(weights=weights, name=t.name).weights
-        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model.float().eval()
-
-
 @pytest.mark.slow
-def test_gemma_270m_logits_match_transformers(gemma_gguf: Path, gemma32: LoadedModel) -> None:
+def test_gemma_270m_logits_match_transformers(gemma_gguf: Path, gemma32: LoadedModel, tmp_path: Path) -> None:
     ids = gemma32.tokenizer.encode(PROMPT)
     assert ids[0] == gemma32.tokenizer.bos_id == 2
     assert gemma32.config.layer_types is not None and gemma32.config.layer_types.count(FULL) == 3
     logits, _ = gemma32.model(torch.tensor(ids), gemma32.model.new_cache())
-    expected = reference_logits(_transformers_gemma(gemma_gguf), ids)
+    expected = reference_logits(transformers_from_gguf(gemma_gguf, tmp_path), ids)
     diff = float((logits - expected).abs().max())
     assert diff < 1e-3, f"max abs diff {diff:.3g}"
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_close, generate
+from helpers import assert_close, generate, transformers_from_gguf
 from tiny import hf_to_gguf, load_reference, make_tiny_hf_model, reference_logits
 
 from quickdraft.errors import QuickdraftError
@@ -258,22 +258,14 @@ def test_num_logits_and_reset(tiny: Any) -> None:
 PROMPT = "The history of the Roman Empire begins with"
 
 
-def _hf_from_gguf(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-
-
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf: Path) -> LoadedModel:
     return load_model(str(smollm2_gguf), dtype="float32", max_context=256)
 
 
 @pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf: Path) -> Any:
-    return _hf_from_gguf(smollm2_gguf)
+def smollm2_reference(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return transformers_from_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2-reference"))
 
 
 @pytest.fixture(scope="module")
@@ -329,12 +321,12 @@ def test_smollm2_bfloat16_greedy_starts_like_float32(
 
 
 @pytest.mark.slow
-def test_qwen05_logits_match_transformers(qwen05_gguf: Path) -> None:
+def test_qwen05_logits_match_transformers(qwen05_gguf: Path, tmp_path: Path) -> None:
     loaded = load_model(str(qwen05_gguf), dtype="float32", max_context=256)
     ids = loaded.tokenizer.encode(PROMPT)
     logits, _ = loaded.model(torch.tensor(ids), loaded.model.new_cache())
     del loaded
-    expected = reference_logits(_hf_from_gguf(qwen05_gguf), ids)
+    expected = reference_logits(transformers_from_gguf(qwen05_gguf, tmp_path), ids)
     diff = float((logits - expected).abs().max())
     assert diff < 1e-3, f"max abs diff {diff:.3g}"
 
