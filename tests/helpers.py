@@ -800,13 +800,15 @@ def transformers_from_gguf(path: Path, folder: Path) -> Any:
     copy = folder / path.name
     writer = gguf.GGUFWriter(copy, arch)
     for key, value in meta.items():
-        if key.startswith("tokenizer.ggml.") and isinstance(value, list) or key in ("general.architecture",
-                                                                                   "general.alignment"):
-            continue
+        if (key.startswith("tokenizer.ggml.") and isinstance(value, list)) or key in ("general.architecture",
+                                                                                     "general.alignment"):
+            continue  # (the writer writes these two itself)
         if isinstance(value, bool):
             writer.add_bool(key, value)
+        elif isinstance(value, int) and 0 <= value < 2**32:
+            writer.add_uint32(key, value)
         elif isinstance(value, int):
-            writer.add_uint32(key, value) if 0 <= value < 2**32 else writer.add_int64(key, value)
+            writer.add_int64(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         elif isinstance(value, str):
