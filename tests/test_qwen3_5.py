@@ -49,6 +49,7 @@ from tiny import (
     write_tokenizer,
 )
 
+from quickdraft import kernels
 from quickdraft.cache import STATE_EVERY, HybridCache
 from quickdraft.config import ModelConfig
 from quickdraft.engine import Engine
@@ -548,7 +549,8 @@ def test_native_delta_rows_equal_the_torch_rows_and_each_row_alone(hybrid: Loade
     """``gated_delta_rows`` (one native call per layer and pass) against the torch rows it replaces,
     on random inputs and random start states, for a pass holding a chain, a tree and a second
     sequence: the same results within fp32 rounding. Each row computed alone, handed its parent's
-    state, gives bitwise the row of the pass (batch invariance)."""
+    state, gives bitwise the row of the pass (batch invariance; a row continued by the next is read in
+    the pass that writes it), and the AVX2 build gives the AVX-512 build's bits."""
     layer = copy.deepcopy(next(m for m in hybrid.model.modules() if isinstance(m, GatedDeltaNet)))
     layer.tiled = tiled
     gen = torch.Generator().manual_seed(5)
@@ -592,6 +594,14 @@ def test_native_delta_rows_equal_the_torch_rows_and_each_row_alone(hybrid: Loade
     assert [s is not None for s, _ in some] == [False, True, False, False, True, False, True]
     for (fc, fm), (gc, gm) in zip(some, got, strict=True):
         assert fc is None or (torch.equal(fc, gc) and torch.equal(fm, gm))
+    # The AVX2 build of the delta rule (QUICKDRAFT_ISA=avx2) gives the AVX-512 build's bits.
+    prev = kernels.set_isa("avx2")
+    try:
+        narrow, states = native(list(range(t)), parents, starts)
+    finally:
+        kernels.set_isa(prev)
+    assert torch.equal(narrow, out)
+    assert all(torch.equal(nm, gm) for (_, nm), (_, gm) in zip(states, got, strict=True))
 
 
 @pytest.mark.skipif(active_kernels() is None, reason="the native Gated DeltaNet step is one of the CPU kernels")

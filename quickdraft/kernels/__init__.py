@@ -24,8 +24,8 @@ from types import ModuleType
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / "ggml_cpu.cpp", _DIR / "ggml_q8_avx512.cpp", _DIR / "ops_cpu.cpp", _DIR / "decode_cpu.cpp",
-           _DIR / "delta_cpu.cpp"]
-HEADERS = [_DIR / "ggml_cpu.h", _DIR / "ggml_q8.h", _DIR / "ops_api.h", _DIR / "simd_exp.h"]
+           _DIR / "delta_cpu.cpp", _DIR / "delta_avx512.cpp"]
+HEADERS = [_DIR / "ggml_cpu.h", _DIR / "ggml_q8.h", _DIR / "ops_api.h", _DIR / "simd_exp.h", _DIR / "delta_head.h"]
 # AVX2/FMA/F16C only (no -march=native): the build must run on any x86-64 machine with those.
 # -ffp-contract=off: no silent a*b+c fusing; every fused multiply-add in the kernels is explicit.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]

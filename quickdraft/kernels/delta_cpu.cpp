@@ -18,7 +18,8 @@
 // Two phases. First every row's convolution, SiLU and norms, rows split over threads: a row's
 // window is the inputs along its path (its ancestors' rows of ``mixed``, then its start window),
 // so rows need nothing from each other. Then the delta rule, value heads split over threads and
-// each head walking the rows in order, its [Dk, Dv] state staying in the core's cache.
+// each head walking the rows in order, its [Dk, Dv] state staying in the core's cache. A row read by the
+// row after it (a chain) is read in the same pass that writes it: one pass over a head's state per row, not two.
 // The rows ``keep`` names get their new window and state as new tensors (the cache keeps them per
 // row: a rollback picks one, so nothing the cache holds is updated in place); the others return
 // None and their state lives only in a per-head scratch the next row continues in place (a row is
@@ -36,6 +37,8 @@
 
 #include "ops_api.h"
 #include "simd_exp.h"
+#define QD_DELTA_NS qd_delta_avx2
+#include "delta_head.h"
 
 namespace {
 
@@ -77,31 +80,19 @@ inline void gate(float* o, const float* z, const float* w, float inv, int64_t n)
   for (; j < n; ++j) o[j] = w[j] * (o[j] * inv) * silu(z[j]);
 }
 
-// One value head's delta rule over its state: s_new = s_prev * decay + k (beta (v - (s_prev*decay)^T k))^T,
-// o = s_new^T q; s_prev and s_new [dk, dv] (may be the same memory: each element is read before it is
-// written, so in place gives the same bits). Two passes over s_prev (the second from the core's cache)
-// and one store of s_new: the decayed state is computed in each pass (the same product, the same bits),
-// not stored and read back.
-void head_step(const float* sp, float* sn, const float* k, const float* q, const float* v, float beta, float decay,
-               int64_t dk, int64_t dv, float* r, float* o) {
-  for (int64_t j = 0; j < dv; ++j) r[j] = 0.0f;
-  for (int64_t i = 0; i < dk; ++i) {
-    const float* a = sp + i * dv;
-    const float ki = k[i];
-    for (int64_t j = 0; j < dv; ++j) r[j] += (a[j] * decay) * ki;
-  }
-  for (int64_t j = 0; j < dv; ++j) r[j] = (v[j] - r[j]) * beta;  // the delta, scaled by beta
-  for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
-  for (int64_t i = 0; i < dk; ++i) {
-    const float* a = sp + i * dv;
-    float* s = sn + i * dv;
-    const float ki = k[i], qi = q[i];
-    for (int64_t j = 0; j < dv; ++j) {
-      const float x = a[j] * decay + ki * r[j];
-      s[j] = x;
-      o[j] += x * qi;
-    }
-  }
+// q[c] = in[c * stride] * w[c * wstride] and q[c] += in[c * stride] * w[c * wstride], c < n: one tap of the
+// convolution over every channel (stride 1, a row of the pass, gets a loop of its own the compiler vectorises).
+inline void strided_mul(const float* in, int64_t stride, const float* w, int64_t wstride, float* q, int64_t n) {
+  if (stride == 1)
+    for (int64_t c = 0; c < n; ++c) q[c] = in[c] * w[c * wstride];
+  else
+    for (int64_t c = 0; c < n; ++c) q[c] = in[c * stride] * w[c * wstride];
+}
+inline void strided_mul_add(const float* in, int64_t stride, const float* w, int64_t wstride, float* q, int64_t n) {
+  if (stride == 1)
+    for (int64_t c = 0; c < n; ++c) q[c] += in[c] * w[c * wstride];
+  else
+    for (int64_t c = 0; c < n; ++c) q[c] += in[c * stride] * w[c * wstride];
 }
 
 // One input of a row's convolution window, per channel c: base[c * stride].
@@ -188,19 +179,24 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
     const Tap* tap = taps.data() + t * (K - 1);
     const float* x = xp + t * C;
     float* q = qkv.data() + t * C;
-    for (int64_t c = 0; c < C; ++c) {
-      float acc = K > 1 ? tap[0].base[c * tap[0].stride] * wp[c * K] : x[c] * wp[c * K];
-      for (int64_t j = 1; j < K - 1; ++j) acc += tap[j].base[c * tap[j].stride] * wp[c * K + j];
-      if (K > 1) acc += x[c] * wp[c * K + K - 1];
-      q[c] = acc;
+    // per channel: tap 0 times its weight, then each later tap's product added in order (this row's
+    // input last); the channels run innermost, one tap at a time
+    if (K > 1) {
+      strided_mul(tap[0].base, tap[0].stride, wp, K, q, C);
+      for (int64_t j = 1; j < K - 1; ++j) strided_mul_add(tap[j].base, tap[j].stride, wp + j, K, q, C);
+      strided_mul_add(x, 1, wp + K - 1, K, q, C);
+    } else {
+      strided_mul(x, 1, wp, K, q, C);
     }
     silu_inplace(q, C);
     if (kept[t] && K > 1) {  // the window this row leaves: the previous K-2 inputs, then its own
       float* w = convs[t].data_ptr<float>();
-      for (int64_t c = 0; c < C; ++c) {
-        for (int64_t j = 0; j + 1 < K - 1; ++j) w[c * (K - 1) + j] = tap[j + 1].base[c * tap[j + 1].stride];
-        w[c * (K - 1) + K - 2] = x[c];
+      for (int64_t j = 0; j + 1 < K - 1; ++j) {
+        const float* in = tap[j + 1].base;
+        const int64_t stride = tap[j + 1].stride;
+        for (int64_t c = 0; c < C; ++c) w[c * (K - 1) + j] = in[c * stride];
       }
+      for (int64_t c = 0; c < C; ++c) w[c * (K - 1) + K - 2] = x[c];
     }
     float* k = q + nk * dk;
     for (int64_t h = 0; h < nk; ++h) {
@@ -212,12 +208,19 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
       }
     }
   }
+  const float* bp = b.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  auto decay_of = [&](int64_t t, int64_t h) { return std::exp(asp[h] * softplus(ap[t * nv + h] + dtp[h])); };
+  const bool wide = qd_api::wide_vectors();  // the AVX-512 build of the delta rule (the same bits, 16 floats a vector)
+  const auto head_read = wide ? qd_abi::delta_head_read_avx512 : qd_delta_avx2::head_read;
+  const auto head_write = wide ? qd_abi::delta_head_write_avx512 : qd_delta_avx2::head_write;
 #pragma omp parallel
   {
-    std::vector<float> r(dv), scratch(dk * dv);
+    std::vector<float> r(dv), next_r(dv), scratch(dk * dv);
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < nv; ++h) {  // phase 2: each value head through the rows in order
       const int64_t kh = tiled ? h % nk : h / rep;
+      bool have_r = false;  // r already holds this row's head_read (fused into its parent's head_write)
       for (int64_t t = 0; t < T; ++t) {
         const int64_t p = parents[t];
         const float* prev = p < 0 ? start_states[start_of[t]].data_ptr<float>() + h * dk * dv
@@ -227,10 +230,15 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
         const float* q = qkv.data() + t * C;
         const float* k = q + nk * dk;
         const float* v = k + nk * dk;
-        const float beta = sigmoid(b.data_ptr<float>()[t * nv + h]);
-        const float decay = std::exp(asp[h] * softplus(a.data_ptr<float>()[t * nv + h] + dtp[h]));
+        const float beta = sigmoid(bp[t * nv + h]);
+        const float decay = decay_of(t, h);
         float* o = out.data_ptr<float>() + t * nv * dv + h * dv;
-        head_step(prev, next, k + kh * dk, q + kh * dk, v + h * dv, beta, decay, dk, dv, r.data(), o);
+        if (!have_r) head_read(prev, k + kh * dk, decay, dk, dv, r.data());
+        have_r = t + 1 < T && parents[t + 1] == t;  // the next row continues this one: read it in this pass
+        const float* next_k = have_r ? qkv.data() + (t + 1) * C + nk * dk + kh * dk : nullptr;
+        head_write(prev, next, k + kh * dk, q + kh * dk, v + h * dv, beta, decay, dk, dv, r.data(), o, next_k,
+                   have_r ? decay_of(t + 1, h) : 0.0f, next_r.data());
+        std::swap(r, next_r);
         const float inv = 1.0f / std::sqrt(sum_squares(o, dv) / static_cast<float>(dv) + static_cast<float>(eps));
         const float* zh = z.data_ptr<float>() + t * nv * dv + h * dv;
         gate(o, zh, nwp, inv, dv);

@@ -438,6 +438,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
 
 }  // namespace
 
+bool qd_api::wide_vectors() { return g_isa.load(std::memory_order_relaxed) == ISA_AVX512VNNI; }
+
 std::vector<torch::Tensor> qd_api::linear_multi(const torch::Tensor& x, const std::vector<WeightSpec>& weights,
                                                 const c10::optional<torch::Tensor>& residual) {
   return ::linear_multi(x, weights, 0, residual);

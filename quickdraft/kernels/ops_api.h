@@ -49,6 +49,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
                      const c10::optional<torch::Tensor>& v_new,
                      const c10::optional<torch::Tensor>& sinks = c10::nullopt);  // [Hq]: GPT-OSS's sink logits
 
+// ggml_cpu.cpp: whether the q8 GEMM runs its AVX-512 VNNI build (the CPU's best, unless QUICKDRAFT_ISA=avx2):
+// the other kernels with an AVX-512 build (delta_avx512.cpp) follow it
+bool wide_vectors();
+
 // delta_cpu.cpp: Gated DeltaNet rows -> [out [T, Hv*Dv], T windows, T states] (undefined where keep is false)
 std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const torch::Tensor& z, const torch::Tensor& b,
                                             const torch::Tensor& a, const torch::Tensor& conv_w,
