@@ -1,7 +1,7 @@
 // The delta rule of delta_head.h compiled a second time, for CPUs with AVX-512 (16 floats a vector instead
 // of 8): delta_cpu.cpp calls it where the q8 GEMM runs its AVX-512 VNNI build (qd_api::wide_vectors), so
 // QUICKDRAFT_ISA=avx2 keeps every kernel on AVX2. The same elementwise operations in the same order: the
-// same bits as the AVX2 build (tests/test_kernels.py).
+// same bits as the AVX2 build (tests/test_qwen3_5.py).
 //
 // As in ggml_q8_avx512.cpp, the standard headers come first, under the command line's AVX2 flags; only
 // this file's own functions carry the AVX-512 target.

@@ -221,6 +221,7 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
     for (int64_t h = 0; h < nv; ++h) {  // phase 2: each value head through the rows in order
       const int64_t kh = tiled ? h % nk : h / rep;
       bool have_r = false;  // r already holds this row's head_read (fused into its parent's head_write)
+      float carried = 0.0f;  // and this row's decay, computed for that read
       for (int64_t t = 0; t < T; ++t) {
         const int64_t p = parents[t];
         const float* prev = p < 0 ? start_states[start_of[t]].data_ptr<float>() + h * dk * dv
@@ -231,13 +232,14 @@ std::vector<torch::Tensor> gated_delta_rows(const torch::Tensor& mixed, const to
         const float* k = q + nk * dk;
         const float* v = k + nk * dk;
         const float beta = sigmoid(bp[t * nv + h]);
-        const float decay = decay_of(t, h);
+        const float decay = have_r ? carried : decay_of(t, h);
         float* o = out.data_ptr<float>() + t * nv * dv + h * dv;
         if (!have_r) head_read(prev, k + kh * dk, decay, dk, dv, r.data());
         have_r = t + 1 < T && parents[t + 1] == t;  // the next row continues this one: read it in this pass
         const float* next_k = have_r ? qkv.data() + (t + 1) * C + nk * dk + kh * dk : nullptr;
-        head_write(prev, next, k + kh * dk, q + kh * dk, v + h * dv, beta, decay, dk, dv, r.data(), o, next_k,
-                   have_r ? decay_of(t + 1, h) : 0.0f, next_r.data());
+        carried = have_r ? decay_of(t + 1, h) : 0.0f;
+        head_write(prev, next, k + kh * dk, q + kh * dk, v + h * dv, beta, decay, dk, dv, r.data(), o, next_k, carried,
+                   next_r.data());
         std::swap(r, next_r);
         const float inv = 1.0f / std::sqrt(sum_squares(o, dv) / static_cast<float>(dv) + static_cast<float>(eps));
         const float* zh = z.data_ptr<float>() + t * nv * dv + h * dv;
